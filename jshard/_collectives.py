@@ -1,0 +1,88 @@
+"""Local-view collectives: small pure functions of (arrays, axis names), for ``shard_map``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Axes = tuple[str, ...]
+
+
+def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int]] | None = None) -> jax.Array:
+    """Concatenate the shards of ``x`` along ``dim`` over ``axes`` (device order).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> mesh = js.make_mesh()
+      >>> f = jax.shard_map(lambda x: js.collectives.all_gather(x, ("fsdp",), 0),
+      ...                   mesh=mesh, in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
+      >>> f(jnp.arange(8.0)).shape
+      (8,)
+    """
+    return jax.lax.all_gather(x, axes, axis=dim, tiled=True, axis_index_groups=groups)
+
+
+def reduce_scatter(g: jax.Array, axes: Axes, dim: int) -> jax.Array:
+    """Sum ``g`` over ``axes`` and keep this device's chunk of ``dim`` (tiled)."""
+    return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+
+
+def all_reduce(g: jax.Array, axes: Axes) -> jax.Array:
+    """Sum ``g`` over ``axes`` (identity when ``axes`` is empty)."""
+    return jax.lax.psum(g, axes) if axes else g
+
+
+def divide_factors(factor: float, reduce_dtype: np.dtype, force_sum: bool) -> tuple[float, float]:
+    """How to split the division by ``factor`` around a summing collective.
+
+    float16 overflows when summing many gradients, so (as FSDP2 does) it is pre-divided
+    by a power of two near ``sqrt(factor)`` and post-divided by the rest; other dtypes
+    are divided once, after the sum, unless ``force_sum`` asks for the split.
+
+    Example:
+      >>> from jshard.collectives import divide_factors
+      >>> import numpy as np
+      >>> divide_factors(8, np.dtype("float32"), False), divide_factors(8, np.dtype("float16"), False)
+      ((1.0, 8.0), (4.0, 2.0))
+    """
+    if reduce_dtype != np.float16 and not force_sum:
+        return 1.0, float(factor)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), float(factor) / pre
+
+
+def int8_all_gather(x: jax.Array, axes: Axes, dim: int, block: int = 256) -> jax.Array:
+    """All-gather in int8 with one float32 scale per block of ``block`` elements.
+
+    A drop-in ``FullyShardPolicy(custom_all_gather=...)``: each element is rounded to
+    the nearest of 255 levels of its block's absolute maximum, so the error is at most
+    ``max|block| / 254``; bytes on the wire are ``1/4 + 1/block`` of float32's.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> mesh = js.make_mesh()
+      >>> f = jax.shard_map(lambda x: js.int8_all_gather(x, ("fsdp",), 0), mesh=mesh,
+      ...                   in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
+      >>> x = jnp.linspace(-1.0, 1.0, 64)
+      >>> bool(jnp.abs(f(x) - x).max() <= 1 / 254)
+      True
+    """
+    n = x.size
+    flat = jnp.ravel(x).astype(jnp.float32)
+    nblocks = math.ceil(n / block)
+    flat = jnp.pad(flat, (0, nblocks * block - n)).reshape(nblocks, block)
+    scale = jnp.max(jnp.abs(flat), axis=1, keepdims=True) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(flat / safe), -127, 127).astype(jnp.int8)
+    qs = jax.lax.all_gather(q, axes, axis=0, tiled=False)
+    scales = jax.lax.all_gather(scale, axes, axis=0, tiled=False)
+    shards = (qs.astype(jnp.float32) * scales).reshape(qs.shape[0], -1)[:, :n]
+    shards = shards.reshape((qs.shape[0],) + x.shape).astype(x.dtype)
+    full = jnp.moveaxis(shards, 0, dim)
+    return full.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1 :])

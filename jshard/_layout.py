@@ -1,0 +1,137 @@
+"""Per-leaf layout: placement dim, padding and sharding (pure functions, no collectives).
+
+[Note: layout] A sharded leaf is the original array padded with zeros at the end of its
+placement dim ``d`` to ``N * c`` rows, ``c = ceil(shape[d] / N)``, split over the shard
+axes: device ``i`` holds rows ``[i*c, (i+1)*c)`` (``torch.chunk`` plus FSDP2's padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard._api import FullyShardPolicy
+from jshard._mesh import MeshAxes
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Static facts of one leaf of a unit.
+
+    ``dim`` is the placement dim in the stored array (``None``: replicated, for 0-d
+    leaves and, with ``scan_axis=0``, per-layer scalars); ``padded`` its padded size.
+    ``ignored`` leaves are stored untouched.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    dim: int | None
+    padded: int
+    ignored: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        return self.shape[: self.dim] + (self.padded,) + self.shape[self.dim + 1 :]
+
+    @property
+    def padding(self) -> int:
+        return 0 if self.dim is None else self.padded - self.shape[self.dim]
+
+
+def _is_arraylike(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _leaf_error(path: Any, leaf: Any, axes: MeshAxes, problem: str, fix: str) -> ValueError:
+    shape = getattr(leaf, "shape", None)
+    where = f"Leaf {jax.tree_util.keystr(path)}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+    axis = axes.shard[0] if len(axes.shard) == 1 else axes.shard
+    return ValueError(f"{where}, sharded over mesh axis {axis!r} (size {axes.shard_size}): {problem}; {fix}.")
+
+
+def plan_leaf(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy) -> LeafLayout:
+    """The layout of one leaf, or a ``ValueError`` naming the leaf and the fix."""
+    if policy.ignored_params is not None and policy.ignored_params(path, leaf):
+        shape = tuple(getattr(leaf, "shape", ()))
+        dtype = np.dtype(getattr(leaf, "dtype", np.float32))
+        return LeafLayout(shape, dtype, None, 0, ignored=True)
+    if not _is_arraylike(leaf):
+        raise _leaf_error(
+            path, leaf, axes, f"a {type(leaf).__name__} is not an array",
+            "make it an array (jnp.asarray) or keep non-array values out of the tree",
+        )
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    stacked = policy.scan_axis is not None
+    if stacked and len(shape) == 0:
+        raise _leaf_error(
+            path, leaf, axes, "a 0-d leaf has no stacked layer axis 0 (`scan_axis=0`)",
+            "stack every leaf of the unit along axis 0, one slice per layer",
+        )
+    default = 1 if stacked else 0
+    dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
+    if dim is None:
+        dim = default if len(shape) > default else None
+    elif isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise _leaf_error(path, leaf, axes, f"`shard_placement_fn` returned {dim!r}", "return an int dim or None")
+    elif not -len(shape) <= dim < len(shape):
+        raise _leaf_error(
+            path, leaf, axes, f"placement dim {dim} is out of range for a {len(shape)}-d leaf",
+            f"return a dim in [{-len(shape)}, {len(shape)}) from `shard_placement_fn`",
+        )
+    else:
+        dim = int(dim) % len(shape)
+        if stacked and dim == 0:
+            raise _leaf_error(
+                path, leaf, axes, "placement dim 0 is the stacked layer axis (`scan_axis=0`)",
+                "shard another dim (1 or more)",
+            )
+    if dim is None:
+        return LeafLayout(shape, dtype, None, 0)
+    n = axes.shard_size
+    return LeafLayout(shape, dtype, dim, n * math.ceil(shape[dim] / n))
+
+
+def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
+    """The spec of a stored leaf: shard axes at the placement dim, else replicated."""
+    if layout.dim is None:
+        return PartitionSpec()
+    entry = axes.shard[0] if len(axes.shard) == 1 else axes.shard
+    return PartitionSpec(*([None] * layout.dim), entry)
+
+
+def memory_kind(layout: LeafLayout, policy: FullyShardPolicy) -> str | None:
+    """Where a stored leaf lives: host memory under CPU offload, except ignored leaves."""
+    return None if layout.ignored else policy.offload_policy.memory_kind
+
+
+def named_sharding(mesh: Mesh, layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy):
+    return NamedSharding(mesh, partition_spec(layout, axes), memory_kind=memory_kind(layout, policy))
+
+
+def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Zero-pad ``x`` at the end of its placement dim to the padded size."""
+    if layout.padding == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[layout.dim] = (0, layout.padding)
+    return jnp.pad(x, widths)
+
+
+def unpad(x: jax.Array, layout: LeafLayout, dim: int | None = None) -> jax.Array:
+    """Slice the padding off ``x`` (at ``dim``, default the layout's placement dim)."""
+    if layout.padding == 0:
+        return x
+    dim = layout.dim if dim is None else dim
+    return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=dim)

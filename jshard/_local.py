@@ -1,0 +1,181 @@
+"""Local-view unshard: gather a unit's shards just in time; reduce their gradients.
+
+[Note: reshard after forward] Gathered values are tagged with ``checkpoint_name``:
+``FREE`` for units that reshard after forward, ``SAVED`` for the others and for the
+group copies of ``reshard_after_forward=k``. The step runs under the names-based remat
+policy :data:`REMAT_POLICY`, which saves every residual except ``FREE`` ones, so those
+are re-gathered in backward and nothing else is recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jshard import _collectives as C
+from jshard._api import FullyShardPolicy
+from jshard._context import LocalView
+from jshard._layout import LeafLayout, pad, unpad
+from jshard._mesh import MeshAxes
+from jshard._unit import FSDPUnit
+
+FREE = "jshard_gathered"
+SAVED = "jshard_saved"
+REMAT_POLICY = jax.checkpoint_policies.save_anything_except_these_names(FREE)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafComm:
+    """Static facts one leaf's gather and reduction need (hashable: a custom_vjp arg)."""
+
+    layout: LeafLayout
+    axes: MeshAxes
+    policy: FullyShardPolicy
+    divide_factor: float
+    skip_all_reduce: bool = False
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        target = self.policy.mp_policy.param_dtype
+        return target if target is not None and _is_float(self.layout.dtype) else self.layout.dtype
+
+    @property
+    def reduce_dtype(self) -> np.dtype:
+        mp = self.policy.mp_policy
+        return mp.reduce_dtype or mp.param_dtype or self.layout.dtype
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    x = shard.astype(comm.param_dtype)
+    if not comm.layout.sharded:
+        return x
+    gather = comm.policy.custom_all_gather or C.all_gather
+    return unpad(gather(x, comm.axes.shard, comm.layout.dim), comm.layout)
+
+
+def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
+    """The gradient of a gathered leaf, reduced to this device's shard.
+
+    Cast to ``reduce_dtype``, reduce-scatter over the shard axes (all-reduce for a
+    replicated leaf), all-reduce over replicate axes, divide, cast to the shard dtype.
+    """
+    layout, policy = comm.layout, comm.policy
+    g = g.astype(comm.reduce_dtype)
+    pre, post = C.divide_factors(comm.divide_factor, g.dtype, policy.force_sum_reduction_for_comms)
+    if pre != 1:
+        g = g / pre
+    if layout.sharded:
+        scatter = policy.custom_reduce_scatter or C.reduce_scatter
+        g = scatter(pad(g, layout), comm.axes.shard, layout.dim)
+    else:
+        g = C.all_reduce(g, comm.axes.shard)
+    if not comm.skip_all_reduce:
+        g = (policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
+    return (g / post).astype(layout.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    """All-gather a shard in ``param_dtype``; its gradient is :func:`reduce_gradient`."""
+    return _gather_cast(comm, shard)
+
+
+def _gather_fwd(comm, shard):
+    return _gather_cast(comm, shard), None
+
+
+def _gather_bwd(comm, _, g):
+    return (reduce_gradient(comm, g),)
+
+
+gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather_from_group_copy(comm: LeafComm, shard: jax.Array, group_copy: jax.Array) -> jax.Array:
+    """Gather the full leaf from the copies held by groups of ``k`` devices.
+
+    Device ``i`` of group ``i // k`` holds rows ``[(i//k)*k*c, (i//k+1)*k*c)``; gathering
+    across devices with the same ``i % k`` concatenates the groups' copies in order.
+    """
+    return _gather_across_groups(comm, group_copy)
+
+
+def _gather_across_groups(comm: LeafComm, group_copy: jax.Array) -> jax.Array:
+    full = C.all_gather(group_copy, comm.axes.shard, comm.layout.dim, _across_groups(comm))
+    return unpad(full, comm.layout)
+
+
+def _from_group_fwd(comm, shard, group_copy):
+    return _gather_across_groups(comm, group_copy), group_copy.shape
+
+
+def _from_group_bwd(comm, group_shape, g):
+    return reduce_gradient(comm, g), jnp.zeros(group_shape, comm.param_dtype)
+
+
+gather_from_group_copy.defvjp(_from_group_fwd, _from_group_bwd)
+
+
+def _group_size(comm: LeafComm) -> int:
+    return int(comm.policy.reshard_after_forward)
+
+
+def _within_groups(comm: LeafComm) -> list[list[int]]:
+    n, k = comm.axes.shard_size, _group_size(comm)
+    return [list(range(g * k, (g + 1) * k)) for g in range(n // k)]
+
+
+def _across_groups(comm: LeafComm) -> list[list[int]]:
+    n, k = comm.axes.shard_size, _group_size(comm)
+    return [list(range(r, n, k)) for r in range(k)]
+
+
+def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | int) -> jax.Array:
+    """Gather one leaf for compute, tagged for the remat policy (see the Note above)."""
+    if not _is_float(comm.layout.dtype):
+        return jax.lax.stop_gradient(_gather_cast(comm, shard))
+    raf = reshard_after_forward
+    if isinstance(raf, bool) or not comm.layout.sharded:
+        return checkpoint_name(gather(comm, shard), FREE if raf else SAVED)
+    x = jax.lax.stop_gradient(shard).astype(comm.param_dtype)
+    group_copy = checkpoint_name(C.all_gather(x, comm.axes.shard, comm.layout.dim, _within_groups(comm)), SAVED)
+    return checkpoint_name(gather_from_group_copy(comm, shard, group_copy), FREE)
+
+
+def leaf_comm(layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, view: LocalView) -> LeafComm:
+    factor = policy.gradient_divide_factor or axes.data_parallel_size
+    return LeafComm(layout, axes, policy, float(factor), view.skip_all_reduce)
+
+
+def resolved_reshard(unit: FSDPUnit, view: LocalView) -> bool | int:
+    try:
+        return view.reshard[id(unit.meta)]
+    except KeyError:
+        raise ValueError(
+            "js.unshard got a unit that was not passed to this step (units must be part of the "
+            "`sharded` argument of the grad function, not closed over); pass it in `sharded`."
+        ) from None
+
+
+def unshard_unit(unit: FSDPUnit, view: LocalView) -> Any:
+    """The unit's tree with its own leaves gathered; sub-units stay units."""
+    raf = resolved_reshard(unit, view)
+    if view.pregathered:
+        return unit.with_entries(unit.own_entries())
+    entries = unit.own_entries()
+    for i, layout in enumerate(unit.meta.layouts):
+        if layout is not None and not layout.ignored:
+            comm = leaf_comm(layout, unit.meta.axes, unit.meta.policy, view)
+            entries[i] = gather_leaf(comm, entries[i], raf)
+    return unit.with_entries(entries)

@@ -1,0 +1,120 @@
+"""The unit node: a pytree node whose aux data carries a unit's static facts.
+
+[Note: unit node] ``fully_shard`` wraps the user's tree in an :class:`FSDPUnit`. Its one
+child is the tree itself (with stored, padded leaves and nested sub-units); its aux data
+is a :class:`UnitMeta` (mesh, axes, policy, one layout per own leaf). Because the facts
+are aux data, they travel through ``jit``, ``grad``, ``tree_map``, Optax state and
+Orbax unchanged, and ``jax.tree.leaves`` of a unit are exactly the leaves of the tree
+it was made from, in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jshard._api import FullyShardPolicy
+from jshard._layout import LeafLayout
+from jshard._mesh import MeshAxes
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class UnitMeta:
+    """Static facts of a unit; ``layouts[i]`` is ``None`` where a sub-unit sits."""
+
+    mesh: Mesh
+    axes: MeshAxes
+    policy: FullyShardPolicy
+    layouts: tuple[LeafLayout | None, ...]
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class FSDPUnit:
+    """A fully sharded unit: one all-gather and one reduce-scatter group.
+
+    Index it like the tree it was made from (``unit["layer1"]["w"]``); ``unit.tree`` is
+    that tree with stored (sharded, padded) leaves. Made by :func:`jshard.fully_shard`.
+
+    Example:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> unit = js.fully_shard({"w": jnp.ones((7, 3))})
+      >>> unit["w"].shape  # padded to a multiple of the 8 devices
+      (8, 3)
+    """
+
+    __slots__ = ("tree", "meta")
+
+    def __init__(self, tree: Any, meta: UnitMeta):
+        self.tree = tree
+        self.meta = meta
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("tree"), self.tree),), self.meta
+
+    def tree_flatten(self):
+        return (self.tree,), self.meta
+
+    @classmethod
+    def tree_unflatten(cls, meta: UnitMeta, children):
+        return cls(children[0], meta)
+
+    def __getitem__(self, key):
+        return self.tree[key]
+
+    def __repr__(self) -> str:
+        return f"FSDPUnit({self.tree!r})"
+
+    def own_entries(self) -> list[Any]:
+        """The entries that ``meta.layouts`` describes: own leaves and sub-units, in order."""
+        return jax.tree.leaves(self.tree, is_leaf=is_unit)
+
+    def with_entries(self, entries: list[Any]) -> Any:
+        """``unit.tree`` with its own entries replaced (a plain tree, not a unit)."""
+        return jax.tree.unflatten(jax.tree.structure(self.tree, is_leaf=is_unit), entries)
+
+
+def is_unit(x: Any) -> bool:
+    return isinstance(x, FSDPUnit)
+
+
+def map_unit_leaves(fn: Any, tree: Any, *rest: Any) -> Any:
+    """Map ``fn(meta, layout, leaf, *rest_leaves)`` over every leaf of ``tree``.
+
+    ``meta`` and ``layout`` are the leaf's unit's :class:`UnitMeta` and the leaf's
+    :class:`LeafLayout`, both ``None`` for a leaf outside any unit.
+    ``rest`` are trees of the same structure. Units keep their metas.
+    """
+    if is_unit(tree):
+        entries = tree.own_entries()
+        treedef = jax.tree.structure(tree.tree, is_leaf=is_unit)
+        others = [treedef.flatten_up_to(r.tree) for r in rest]
+        out = []
+        for i, (layout, x) in enumerate(zip(tree.meta.layouts, entries, strict=True)):
+            rs = [o[i] for o in others]
+            out.append(map_unit_leaves(fn, x, *rs) if layout is None else fn(tree.meta, layout, x, *rs))
+        return FSDPUnit(jax.tree.unflatten(treedef, out), tree.meta)
+    treedef = jax.tree.structure(tree, is_leaf=is_unit)
+    entries = treedef.flatten_up_to(tree)
+    others = [treedef.flatten_up_to(r) for r in rest]
+    out = []
+    for i, x in enumerate(entries):
+        rs = [o[i] for o in others]
+        out.append(map_unit_leaves(fn, x, *rs) if is_unit(x) else fn(None, None, x, *rs))
+    return jax.tree.unflatten(treedef, out)
+
+
+def all_units(tree: Any) -> list[tuple[FSDPUnit, bool]]:
+    """Every unit in ``tree`` with whether it is a root (inside no other unit), outer first."""
+    found: list[tuple[FSDPUnit, bool]] = []
+
+    def visit(x: Any, root: bool) -> None:
+        for entry in jax.tree.leaves(x.tree if is_unit(x) else x, is_leaf=is_unit):
+            if is_unit(entry):
+                found.append((entry, root))
+                visit(entry, False)
+
+    visit([tree], True)
+    return found
