@@ -20,7 +20,8 @@ def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int
       >>> mesh = js.make_mesh()
       >>> f = jax.shard_map(lambda x: js.collectives.all_gather(x, ("fsdp",), 0),
       ...                   mesh=mesh, in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
-      >>> f(jnp.arange(8.0)).shape
+      >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("fsdp")))
+      >>> f(x).shape
       (8,)
     """
     return jax.lax.all_gather(x, axes, axis=dim, tiled=True, axis_index_groups=groups)
@@ -69,7 +70,7 @@ def int8_all_gather(x: jax.Array, axes: Axes, dim: int, block: int = 256) -> jax
       >>> mesh = js.make_mesh()
       >>> f = jax.shard_map(lambda x: js.int8_all_gather(x, ("fsdp",), 0), mesh=mesh,
       ...                   in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
-      >>> x = jnp.linspace(-1.0, 1.0, 64)
+      >>> x = jax.device_put(jnp.linspace(-1.0, 1.0, 64), jax.NamedSharding(mesh, jax.P("fsdp")))
       >>> bool(jnp.abs(f(x) - x).max() <= 1 / 254)
       True
     """

@@ -88,7 +88,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
       >>> params = {"layer1": {"w": jnp.ones((7, 15))}, "b": jnp.zeros(())}
       >>> sharded = js.fully_shard(params)
       >>> sharded["layer1"]["w"].shape, sharded["layer1"]["w"].sharding.spec
-      ((8, 15), PartitionSpec('fsdp',))
+      ((8, 15), P('fsdp',))
       >>> bool((js.unshard(sharded)["layer1"]["w"] == params["layer1"]["w"]).all())
       True
     """

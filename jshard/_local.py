@@ -1,10 +1,8 @@
 """Local-view unshard: gather a unit's shards just in time; reduce their gradients.
 
-[Note: reshard after forward] Gathered values are tagged with ``checkpoint_name``:
-``FREE`` for units that reshard after forward, ``SAVED`` for the others and for the
-group copies of ``reshard_after_forward=k``. The step runs under the names-based remat
-policy :data:`REMAT_POLICY`, which saves every residual except ``FREE`` ones, so those
-are re-gathered in backward and nothing else is recomputed.
+Gathered values are tagged with ``checkpoint_name``: ``FREE`` for units that reshard
+after forward, ``SAVED`` for the others and for the group copies of
+``reshard_after_forward=k``; see [Note: remat policy] in ``_remat.py``.
 """
 
 from __future__ import annotations
@@ -21,13 +19,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jshard import _collectives as C
 from jshard._api import FullyShardPolicy
 from jshard._context import LocalView
-from jshard._layout import LeafLayout, pad, unpad
+from jshard._layout import LeafLayout, pad
 from jshard._mesh import MeshAxes
+from jshard._remat import FREE, SAVED, unpad_gathered
 from jshard._unit import FSDPUnit
-
-FREE = "jshard_gathered"
-SAVED = "jshard_saved"
-REMAT_POLICY = jax.checkpoint_policies.save_anything_except_these_names(FREE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +55,12 @@ def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
     if not comm.layout.sharded:
         return x
     gather = comm.policy.custom_all_gather or C.all_gather
-    return unpad(gather(x, comm.axes.shard, comm.layout.dim), comm.layout)
+    return _unpad(comm, gather(x, comm.axes.shard, comm.layout.dim))
+
+
+def _unpad(comm: LeafComm, full: jax.Array) -> jax.Array:
+    layout = comm.layout
+    return unpad_gathered(full, layout.dim, layout.shape[layout.dim])
 
 
 def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
@@ -112,8 +112,7 @@ def gather_from_group_copy(comm: LeafComm, shard: jax.Array, group_copy: jax.Arr
 
 
 def _gather_across_groups(comm: LeafComm, group_copy: jax.Array) -> jax.Array:
-    full = C.all_gather(group_copy, comm.axes.shard, comm.layout.dim, _across_groups(comm))
-    return unpad(full, comm.layout)
+    return _unpad(comm, C.all_gather(group_copy, comm.axes.shard, comm.layout.dim, _across_groups(comm)))
 
 
 def _from_group_fwd(comm, shard, group_copy):

@@ -11,6 +11,7 @@ import jax
 from jshard import _context, _local
 from jshard._fully_shard import unshard
 from jshard._layout import LeafLayout
+from jshard._remat import REMAT_POLICY
 from jshard._unit import FSDPUnit, is_unit
 
 
@@ -84,5 +85,5 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
         return body(carry, units.with_entries(full))
 
     if raf is not False:
-        step = jax.checkpoint(step, policy=_local.REMAT_POLICY)
+        step = jax.checkpoint(step, policy=REMAT_POLICY)
     return jax.lax.scan(step, init, entries, **scan_kwargs)

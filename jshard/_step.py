@@ -15,6 +15,7 @@ from jshard import _context, _local
 from jshard._context import LocalView
 from jshard._layout import partition_spec
 from jshard._mesh import MeshAxes
+from jshard._remat import REMAT_POLICY
 from jshard._unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 
 
@@ -229,7 +230,7 @@ def _local_step(loss_fn, view, mp, has_aux, unshard_params, microbatches, params
             loss, aux, full_grads = _accumulate(loss_of, fulls, batch, microbatches)
             grads = _reduce_deferred(params, full_grads, view)
         else:
-            remat = jax.checkpoint(loss_of, policy=_local.REMAT_POLICY)
+            remat = jax.checkpoint(loss_of, policy=REMAT_POLICY)
             loss, aux, grads = _accumulate(remat, params, batch, microbatches)
         if view.skip_all_reduce:
             grads = _all_reduce_replicas(params, grads, view)

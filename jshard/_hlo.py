@@ -1,0 +1,124 @@
+"""Collectives read from program text: compiled HLO and lowered StableHLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "s8": "int8",
+               "u8": "uint8", "s32": "int32", "s64": "int64", "u32": "uint32", "pred": "bool"}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) (" + "|".join(KINDS) + r")(?:-start)?\((.*)$"
+)
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[^\]]*\]<=\[[^\]]*\][^,]*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program.
+
+    ``shapes`` and ``dtype`` are its result's (a combined collective has several);
+    ``bytes`` is their total size; ``computation`` is the HLO computation it sits in and
+    ``in_loop`` whether that is a ``while`` body (it then runs once per iteration).
+    """
+
+    kind: str
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    replica_groups: str
+    computation: str
+    in_loop: bool
+
+    @property
+    def bytes(self) -> int:
+        return sum(math.prod(s) for s in self.shapes) * np.dtype(self.dtype).itemsize
+
+
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype in _HLO_DTYPES:
+            out.append((_HLO_DTYPES[dtype], tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def hlo_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in compiled HLO text (``compiled.as_text()``), in program order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard._hlo import hlo_collectives
+      >>> mesh = js.make_mesh()
+      >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "fsdp"), mesh=mesh,
+      ...             in_specs=jax.P("fsdp"), out_specs=jax.P()))
+      >>> x = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, jax.P("fsdp")))
+      >>> [c.kind for c in hlo_collectives(f.lower(x).compile().as_text())]
+      ['all-reduce']
+    """
+    bodies = set(_WHILE_BODY.findall(hlo_text))
+    found, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            continue
+        instr = _INSTR.match(line)
+        if not instr or instr.group(2) + "-done" in line:
+            continue
+        result, kind = instr.group(1), instr.group(2)
+        arrays = _arrays(result)
+        if kind in ("all-gather", "collective-permute", "all-reduce", "reduce-scatter") and "-start(" in line:
+            arrays = arrays[len(arrays) // 2 :] if kind == "all-gather" else arrays
+        groups = _GROUPS.search(line)
+        found.append(Collective(
+            kind=kind,
+            dtype=arrays[0][0] if arrays else "",
+            shapes=tuple(shape for _, shape in arrays),
+            replica_groups=groups.group(1) if groups else "",
+            computation=computation,
+            in_loop=computation in bodies,
+        ))
+    return found
+
+
+_STABLEHLO = re.compile(r"stablehlo\.(all_gather|reduce_scatter|all_reduce|all_to_all|collective_permute)\"?")
+_TENSOR = re.compile(r"tensor<([\dx]*)x?([a-z]+\d*)>")
+_MLIR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "i8": "int8",
+                "i32": "int32", "ui8": "uint8", "i1": "bool"}
+
+
+def lowered_collectives(stablehlo_text: str) -> list[tuple[str, str]]:
+    """``(kind, result dtype)`` of every collective in lowered StableHLO text.
+
+    XLA:CPU upcasts bf16 collectives when compiling; the lowered program keeps the dtype
+    that was asked for, so assert dtypes here.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard._hlo import lowered_collectives
+      >>> mesh = js.make_mesh()
+      >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "fsdp"), mesh=mesh,
+      ...             in_specs=jax.P("fsdp"), out_specs=jax.P()))
+      >>> x = jax.device_put(jnp.ones(8, jnp.bfloat16), jax.NamedSharding(mesh, jax.P("fsdp")))
+      >>> lowered_collectives(f.lower(x).as_text())
+      [('all-reduce', 'bfloat16')]
+    """
+    out = []
+    lines = stablehlo_text.splitlines()
+    for i, line in enumerate(lines):
+        match = _STABLEHLO.search(line)
+        if not match:
+            continue
+        kind = match.group(1).replace("_", "-")
+        signature = next((s for s in lines[i:] if "->" in s and "tensor<" in s.split("->")[-1]), line)
+        tensors = _TENSOR.findall(signature.split("->")[-1])
+        out.append((kind, _MLIR_DTYPES.get(tensors[0][1], tensors[0][1]) if tensors else ""))
+    return out

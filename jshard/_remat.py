@@ -1,0 +1,67 @@
+"""The remat policy behind ``reshard_after_forward``, and the primitive it needs.
+
+[Note: remat policy] A names-based policy alone does not free gathered parameters: remat
+decides per equation, so when the ``checkpoint_name`` of a gathered value is not
+saveable it saves the *input* of the name instead, which is just as large (the output of
+the slice that removes padding, or of the all-gather). :data:`REMAT_POLICY` therefore
+refuses three things: values named :data:`FREE`, outputs of ``all_gather``, and outputs
+of :data:`unpad_p`, jshard's own slice primitive (a plain ``slice`` would catch the
+user's slices too). Remat then walks back to the shard, which is saved, and re-gathers
+in backward. Everything else is saveable, so activations are not recomputed. Values
+named :data:`SAVED` (gathered units that keep their parameters, group copies of
+``reshard_after_forward=k``) are saved at the name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+from jax.interpreters import ad, batching, mlir
+
+FREE = "jshard_gathered"
+SAVED = "jshard_saved"
+
+unpad_p = jax.extend.core.Primitive("jshard_unpad")
+
+
+def unpad_gathered(x: jax.Array, dim: int, size: int) -> jax.Array:
+    """``x[..., :size, ...]`` along ``dim``, as a primitive the remat policy recognises."""
+    if x.shape[dim] == size:
+        return x
+    return unpad_p.bind(x, dim=dim, size=size)
+
+
+def _slice(x, *, dim, size):
+    return jax.lax.slice_in_dim(x, 0, size, axis=dim)
+
+
+def _abstract_eval(x, *, dim, size):
+    return x.update(shape=x.shape[:dim] + (size,) + x.shape[dim + 1 :])
+
+
+def _transpose(ct, x, *, dim, size):
+    widths = [(0, 0, 0)] * ct.ndim
+    widths[dim] = (0, x.aval.shape[dim] - size, 0)
+    return [jax.lax.pad(ct, jax.numpy.zeros((), ct.dtype), widths)]
+
+
+def _batch(args, dims, *, dim, size):
+    (x,), (bd,) = args, dims
+    x = jax.numpy.moveaxis(x, bd, 0)
+    return unpad_p.bind(x, dim=dim + 1, size=size), 0
+
+
+unpad_p.def_impl(_slice)
+unpad_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(unpad_p, mlir.lower_fun(_slice, multiple_results=False))
+ad.deflinear2(unpad_p, _transpose)
+batching.primitive_batchers[unpad_p] = _batch
+
+
+def _policy(prim, *_, **params) -> bool:
+    if prim.name == "name":
+        return params["name"] != FREE
+    return prim is not unpad_p and prim.name != "all_gather"
+
+
+REMAT_POLICY = _policy
