@@ -1,0 +1,39 @@
+"""Shared test references: torch.chunk layout in NumPy, and device coordinates."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def torch_chunks(x: np.ndarray, n: int, dim: int) -> list[np.ndarray]:
+    """FSDP2's shards: ``torch.chunk`` into ``ceil(d/n)`` rows, zero-padded to n equal chunks."""
+    d = x.shape[dim]
+    c = math.ceil(d / n)
+    chunks = []
+    for i in range(n):
+        part = np.take(x, np.arange(min(i * c, d), min((i + 1) * c, d)), axis=dim)
+        widths = [(0, 0)] * x.ndim
+        widths[dim] = (0, c - part.shape[dim])
+        chunks.append(np.pad(part, widths))
+    return chunks
+
+
+def shard_index(mesh, device, shard_axes: tuple[str, ...]) -> int:
+    """The device's linear index over the shard axes (row-major, in the given order)."""
+    coords = dict(zip(mesh.axis_names, np.argwhere(mesh.devices == device)[0], strict=True))
+    sizes = [mesh.shape[a] for a in shard_axes]
+    return int(np.ravel_multi_index([coords[a] for a in shard_axes], sizes))
+
+
+def assert_torch_layout(stored, original: np.ndarray, mesh, shard_axes: tuple[str, ...], dim: int) -> None:
+    """Every addressable shard of ``stored`` holds exactly FSDP2's chunk for its device."""
+    n = math.prod(mesh.shape[a] for a in shard_axes)
+    chunks = torch_chunks(np.asarray(original), n, dim)
+    seen = set()
+    for shard in stored.addressable_shards:
+        i = shard_index(mesh, shard.device, shard_axes)
+        np.testing.assert_array_equal(np.asarray(shard.data), chunks[i])
+        seen.add(i)
+    assert seen == set(range(n))
