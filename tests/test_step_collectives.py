@@ -1,0 +1,131 @@
+"""Collective kinds, counts, replica groups and dtypes read from the step's programs."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import pytest
+from model import batches, init_params, loss_fn, shard
+
+import jshard as js
+from jshard._hlo import hlo_collectives, lowered_collectives
+
+L, W = 4, 16
+
+
+def _stack_step(raf, mp=None, mesh=None):
+    params = {"w": jnp.ones((L, W, W)) * 0.1, "b": jnp.zeros((L, W))}
+    policy = js.FullyShardPolicy(scan_axis=0, reshard_after_forward=raf, mp_policy=mp or js.MixedPrecisionPolicy())
+    sharded = js.fully_shard(params, mesh, policy)
+
+    def stack_loss(p, x):
+        h, _ = js.scan(lambda h, layer: (jnp.tanh(h @ layer["w"] + layer["b"]), None), x, p)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    lowered = jax.jit(js.value_and_grad(stack_loss, unshard_params=False)).lower(sharded, jnp.ones((32, W)))
+    return lowered, hlo_collectives(lowered.compile().as_text())
+
+
+def _loops(collectives):
+    """Collectives per while body: {computation: [(kind, shapes), ...]}."""
+    loops = collections.defaultdict(list)
+    for c in collectives:
+        if c.in_loop:
+            loops[c.computation].append((c.kind, c.shapes))
+    return loops
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_stacked_layers_gather_once_per_iteration_and_again_in_backward_when_resharding(raf):
+    _, collectives = _stack_step(raf)
+    loops = list(_loops(collectives).values())
+    forward = [body for body in loops if not any(kind == "reduce-scatter" for kind, _ in body)]
+    backward = [body for body in loops if any(kind == "reduce-scatter" for kind, _ in body)]
+    assert len(forward) == 1 and len(backward) == 1
+    layer_w, layer_b = ((W, W),), ((W,),)
+    assert sorted(s for k, s in forward[0] if k == "all-gather") == sorted([layer_w, layer_b])
+    regathered = [s for k, s in backward[0] if k == "all-gather"]
+    assert regathered == ([layer_w] if raf else [])  # the bias is not needed by backward
+    assert sorted(s for k, s in backward[0] if k == "reduce-scatter") == sorted([((W // 8, W),), ((W // 8,),)])
+
+
+def test_reshard_to_groups_saves_group_copies_and_regathers_across_groups():
+    _, collectives = _stack_step(2)
+    within = "{{0,1},{2,3},{4,5},{6,7}}"
+    across = "{{0,2,4,6},{1,3,5,7}}"
+    backward = next(c.computation for c in collectives if c.kind == "reduce-scatter" and c.in_loop)
+    gathers = [c for c in collectives if c.kind == "all-gather"]
+    assert {c.replica_groups for c in gathers} == {within, across}
+    regathers = [c for c in gathers if c.computation == backward]
+    assert [(c.shapes, c.replica_groups) for c in regathers] == [(((W, W),), across)]
+    reduce_groups = {c.replica_groups for c in collectives if c.kind == "reduce-scatter"}
+    assert reduce_groups == {"{{0,1,2,3,4,5,6,7}}"}
+
+
+def test_fsdp_reduces_with_reduce_scatter_and_all_reduces_only_scalars():
+    sharded = shard(init_params(), js.make_mesh())
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False))
+    collectives = hlo_collectives(step.lower(sharded, batches(1)[0]).compile().as_text())
+    kinds = collections.Counter(c.kind for c in collectives)
+    leaves = len(jax.tree.leaves(sharded)) - 1  # every leaf but the 0-d one
+    assert kinds["reduce-scatter"] == leaves
+    assert all(shape == () for c in collectives if c.kind == "all-reduce" for shape in c.shapes)
+
+
+def test_hsdp_all_reduces_shards_over_replicas():
+    sharded = shard(init_params(), js.make_mesh(replicate=2))
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False))
+    collectives = hlo_collectives(step.lower(sharded, batches(1)[0]).compile().as_text())
+    scatter = {c.replica_groups for c in collectives if c.kind == "reduce-scatter"}
+    assert scatter == {"{{0,1,2,3},{4,5,6,7}}"}
+    replicas = "{{0,4},{1,5},{2,6},{3,7}}"
+    replica_reduce = [c for c in collectives if c.kind == "all-reduce" and c.replica_groups == replicas]
+    reduced = sorted(s for c in replica_reduce for s in c.shapes)
+    shards = [(5, 15), (4,), (4, 7), (2, 7), (2,), (4, 17), (2, 15), (1,), ()]  # every leaf's shard over 4
+    assert reduced == sorted(shards)
+
+
+@pytest.mark.parametrize("raf,count", [(True, 2), (False, 1)])
+def test_unrolled_units_gather_twice_when_resharding_in_the_lowered_program(raf, count):
+    # XLA:CPU's CSE then merges the re-gather of an unrolled unit with its forward gather
+    # (DESIGN.md); stacked units under js.scan keep both (tests above).
+    params = {"w": jnp.ones((W, W)) * 0.1}
+    root = js.fully_shard({"block": js.fully_shard(params, policy=js.FullyShardPolicy(reshard_after_forward=raf))})
+
+    def unrolled_loss(p, x):
+        w = js.unshard(p["block"])["w"]
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2)
+
+    lowered = jax.jit(js.value_and_grad(unrolled_loss, unshard_params=False)).lower(root, jnp.ones((32, W)))
+    assert [k for k, _ in lowered_collectives(lowered.as_text())].count("all-gather") == count
+
+
+def test_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    lowered, _ = _stack_step(True, mp)
+    found = collections.Counter(lowered_collectives(lowered.as_text()))
+    assert found[("all-gather", "bfloat16")] == 3  # w and b forward, w again in backward
+    assert found[("reduce-scatter", "float32")] == 2
+    assert not found[("all-gather", "float32")] and not found[("reduce-scatter", "bfloat16")]
+    bf16_all_the_way = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    lowered, _ = _stack_step(True, bf16_all_the_way)
+    assert collections.Counter(lowered_collectives(lowered.as_text()))[("reduce-scatter", "bfloat16")] == 2
+
+
+def test_int8_all_gather_sends_a_quarter_of_the_bytes():
+    policy = js.FullyShardPolicy(custom_all_gather=js.int8_all_gather)
+    params = {"w": jnp.linspace(-1.0, 1.0, 64 * 256).reshape(64, 256)}
+    plain = js.fully_shard(params)
+    quant = js.fully_shard(params, policy=policy)
+
+    def loss(p, x):
+        return jnp.mean((x @ js.unshard(p)["w"]) ** 2)
+
+    def gathered_bytes(sharded):
+        step = jax.jit(js.value_and_grad(loss, unshard_params=False))
+        collectives = hlo_collectives(step.lower(sharded, jnp.ones((8, 64))).compile().as_text())
+        return sum(c.bytes for c in collectives if c.kind == "all-gather")
+
+    plain_bytes, quant_bytes = gathered_bytes(plain), gathered_bytes(quant)
+    assert plain_bytes == 64 * 256 * 4
+    assert quant_bytes == 64 * 256 * 1 + (64 * 256 // 256) * 4  # int8 values + one f32 scale per block
