@@ -60,7 +60,8 @@ def _batch_specs(batch: Any, axes: MeshAxes, microbatches: int) -> Any:
         n = x.shape[0] if getattr(x, "ndim", 0) else None
         if n is None or n % needed:
             raise ValueError(
-                f"Batch leaf {jax.tree_util.keystr(path)} of shape {tuple(getattr(x, 'shape', ()))}: "
+                f"{f'Batch leaf {jax.tree_util.keystr(path)}' if path else 'The batch'} of shape "
+                f"{tuple(getattr(x, 'shape', ()))}: "
                 f"dim 0 is split over the data-parallel mesh axes {axes.data_parallel} (size "
                 f"{axes.data_parallel_size}) into {microbatches} microbatch(es), so it must be a "
                 f"multiple of {needed}; pad or drop examples to a multiple of {needed}."
