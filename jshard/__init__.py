@@ -11,6 +11,7 @@ from jshard._fully_shard import fully_shard as fully_shard
 from jshard._fully_shard import reshard as reshard
 from jshard._fully_shard import unshard as unshard
 from jshard._mesh import make_mesh as make_mesh
+from jshard._offload import offload_optimizer as offload_optimizer
 from jshard._scan import scan as scan
 from jshard._step import value_and_grad as value_and_grad
 from jshard._unit import FSDPUnit as FSDPUnit
@@ -28,6 +29,7 @@ __all__ = [
     "fully_shard",
     "int8_all_gather",
     "make_mesh",
+    "offload_optimizer",
     "reshard",
     "scan",
     "unshard",

@@ -122,3 +122,34 @@ def lowered_collectives(stablehlo_text: str) -> list[tuple[str, str]]:
         tensors = _TENSOR.findall(signature.split("->")[-1])
         out.append((kind, _MLIR_DTYPES.get(tensors[0][1], tensors[0][1]) if tensors else ""))
     return out
+
+
+_LAYOUT_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def entry_bytes_by_memory_space(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Per-device bytes of the entry's arguments and outputs, split by memory space.
+
+    XLA:CPU's ``memory_analysis()`` counts host-resident (offloaded) buffers as device
+    bytes; the entry layout marks them ``S(5)``, so this tells the two apart exactly.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard._hlo import entry_bytes_by_memory_space
+      >>> policy = js.FullyShardPolicy(offload_policy=js.CPUOffloadPolicy())
+      >>> p = js.fully_shard({"w": jnp.ones((8, 4))}, policy=policy)
+      >>> text = jax.jit(lambda p: p).lower(p).compile().as_text()
+      >>> entry_bytes_by_memory_space(text)["host"]
+      {'arguments': 16, 'outputs': 16}
+    """
+    header = next((line for line in hlo_text.splitlines() if "entry_computation_layout=" in line), "")
+    layout = header.split("entry_computation_layout={", 1)[-1]
+    args, _, outs = layout.partition(")->")
+    found = {"device": {"arguments": 0, "outputs": 0}, "host": {"arguments": 0, "outputs": 0}}
+    for part, text in (("arguments", args), ("outputs", outs)):
+        for dtype, dims, tiling in _LAYOUT_ARRAY.findall(text):
+            if dtype not in _HLO_DTYPES:
+                continue
+            size = math.prod(int(d) for d in dims.split(",") if d) * np.dtype(_HLO_DTYPES[dtype]).itemsize
+            found["host" if "S(5)" in tiling else "device"][part] += size
+    return found

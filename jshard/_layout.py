@@ -112,8 +112,11 @@ def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
 
 
 def memory_kind(layout: LeafLayout, policy: FullyShardPolicy) -> str | None:
-    """Where a stored leaf lives: host memory under CPU offload, except ignored leaves."""
-    return None if layout.ignored else policy.offload_policy.memory_kind
+    """Where a stored leaf lives: host memory under CPU offload for sharded leaves.
+
+    Replicated (0-d) and ignored leaves stay on the device: they are tiny or not ours.
+    """
+    return policy.offload_policy.memory_kind if layout.sharded and not layout.ignored else None
 
 
 def named_sharding(mesh: Mesh, layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy):

@@ -19,8 +19,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jshard import _collectives as C
 from jshard._api import FullyShardPolicy
 from jshard._context import LocalView
-from jshard._layout import LeafLayout, pad
+from jshard._layout import LeafLayout, memory_kind, pad
 from jshard._mesh import MeshAxes
+from jshard._offload import to_device, to_host
 from jshard._remat import FREE, SAVED, unpad_gathered
 from jshard._unit import FSDPUnit
 
@@ -41,6 +42,10 @@ class LeafComm:
         return target if target is not None and _is_float(self.layout.dtype) else self.layout.dtype
 
     @property
+    def offloaded(self) -> bool:
+        return memory_kind(self.layout, self.policy) is not None
+
+    @property
     def reduce_dtype(self) -> np.dtype:
         mp = self.policy.mp_policy
         return mp.reduce_dtype or mp.param_dtype or self.layout.dtype
@@ -51,7 +56,7 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
-    x = shard.astype(comm.param_dtype)
+    x = to_device(shard, comm.offloaded).astype(comm.param_dtype)
     if not comm.layout.sharded:
         return x
     gather = comm.policy.custom_all_gather or C.all_gather
@@ -81,7 +86,7 @@ def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
         g = C.all_reduce(g, comm.axes.shard)
     if not comm.skip_all_reduce:
         g = (policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
-    return (g / post).astype(layout.dtype)
+    return to_host((g / post).astype(layout.dtype), comm.offloaded)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -147,7 +152,7 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
     raf = reshard_after_forward
     if isinstance(raf, bool) or not comm.layout.sharded:
         return checkpoint_name(gather(comm, shard), FREE if raf else SAVED)
-    x = jax.lax.stop_gradient(shard).astype(comm.param_dtype)
+    x = to_device(jax.lax.stop_gradient(shard), comm.offloaded).astype(comm.param_dtype)
     group_copy = checkpoint_name(C.all_gather(x, comm.axes.shard, comm.layout.dim, _within_groups(comm)), SAVED)
     return checkpoint_name(gather_from_group_copy(comm, shard, group_copy), FREE)
 

@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jshard import _collectives as C
 from jshard import _context, _local
 from jshard._context import LocalView
-from jshard._layout import partition_spec
+from jshard._layout import memory_kind, named_sharding, partition_spec
 from jshard._mesh import MeshAxes
+from jshard._offload import to_host
 from jshard._remat import REMAT_POLICY
 from jshard._unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 
@@ -75,13 +76,21 @@ def _param_specs(sharded: Any, axes: MeshAxes) -> Any:
     return map_unit_leaves(lambda meta, layout, x: partition_spec(layout, axes), sharded)
 
 
+def _param_shardings(sharded: Any) -> Any:
+    return map_unit_leaves(lambda meta, layout, x: named_sharding(meta.mesh, layout, meta.axes, meta.policy), sharded)
+
+
 def _trainable(layout) -> bool:
     return not layout.ignored and jnp.issubdtype(layout.dtype, jnp.floating)
 
 
+def _zeros_like(meta, layout, p) -> jax.Array:
+    return to_host(jnp.zeros(p.shape, p.dtype), memory_kind(layout, meta.policy) is not None)
+
+
 def _zero_untrainable(params: Any, grads: Any) -> Any:
     def fix(meta, layout, p, g):
-        return g if _trainable(layout) else jnp.zeros(p.shape, p.dtype)
+        return g if _trainable(layout) else _zeros_like(meta, layout, p)
 
     return map_unit_leaves(fix, params, grads)
 
@@ -126,7 +135,7 @@ def _gather_for_deferred_sync(params: Any, view: LocalView) -> Any:
 def _reduce_deferred(params: Any, full_grads: Any, view: LocalView) -> Any:
     def reduce(meta, layout, p, g):
         if not _trainable(layout):
-            return jnp.zeros(p.shape, p.dtype)
+            return _zeros_like(meta, layout, p)
         return _local.reduce_gradient(_local.leaf_comm(layout, meta.axes, meta.policy, view), g)
 
     return map_unit_leaves(reduce, params, full_grads)
@@ -199,17 +208,15 @@ def value_and_grad(
         fn = jax.shard_map(
             lambda p, b, a: body(p, b, *a), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
-        return fn(*_place(mesh, (sharded, batch, args), in_specs))
+        shardings = (_param_shardings(sharded), *_named(mesh, in_specs[1:]))
+        return fn(*jax.device_put((sharded, batch, args), shardings))
 
     return grad_fn
 
 
-def _place(mesh, tree: Any, specs: Any) -> Any:
-    """Put arguments where the step's ``in_specs`` say (needed for Explicit mesh axes)."""
-    return jax.tree.map(
-        lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
-        specs, tree, is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+def _named(mesh, specs: Any) -> Any:
+    """Shardings for the step's data arguments (placing them is needed for Explicit axes)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def _split_microbatches(batch: Any, m: int) -> Any:

@@ -1,0 +1,71 @@
+"""Memory-kind moves for CPU offload, and optimizer updates on host or on device.
+
+[Note: offload] With ``CPUOffloadPolicy`` a unit's shards, their gradients and (through
+Optax's ``tree_map``) the optimizer state live in host memory. Inside the step each
+shard moves to the device right before its gather (inside the scan body for stacked
+layers, so one layer at a time), and each reduced gradient moves back to host in its
+own backward. The optimizer update then runs either on the host (no device memory, host
+compute) or on the device (fast compute, the state and gradients cross the bus).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import optax
+from jax.experimental.compute_on import compute_on
+
+
+def to_device(x: jax.Array, offloaded: bool) -> jax.Array:
+    """``x`` in device memory, if its unit is offloaded (inside ``jit``)."""
+    return jax.device_put(x, jax.memory.Space.Device) if offloaded else x
+
+
+def to_host(x: jax.Array, offloaded: bool) -> jax.Array:
+    """``x`` in host memory, if its unit is offloaded (inside ``jit``)."""
+    return jax.device_put(x, jax.memory.Space.Host) if offloaded else x
+
+
+def _on_host(x: jax.Array) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def offload_optimizer(tx: optax.GradientTransformation, compute: Literal["host", "device"] = "host"):
+    """Run an Optax update on host-resident (offloaded) state, on the host or the device.
+
+    ``"host"`` computes the update with ``compute_on("device_host")``: no device memory
+    is used, but the host's compute is slower. ``"device"`` moves gradients, state and
+    parameters to the device, updates there and moves the new state and the updates back:
+    fast compute, at the cost of bus traffic and device memory for one copy of the state.
+    Call the update inside ``jax.jit``.
+
+    Args:
+      tx: any Optax gradient transformation.
+      compute: ``"host"`` or ``"device"``.
+
+    Returns:
+      A ``GradientTransformation`` with the same state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jshard as js
+      >>> policy = js.FullyShardPolicy(offload_policy=js.CPUOffloadPolicy())
+      >>> params = js.fully_shard({"w": jnp.ones((8, 2))}, policy=policy)
+      >>> tx = js.offload_optimizer(optax.sgd(0.1), compute="host")
+      >>> state = tx.init(params)
+      >>> updates, state = jax.jit(tx.update)(params, state, params)
+      >>> updates["w"].sharding.memory_kind
+      'pinned_host'
+    """
+    if compute not in ("host", "device"):
+        raise ValueError(f"`compute` must be 'host' or 'device', got {compute!r}.")
+
+    def update(updates: Any, state: Any, params: Any = None):
+        if compute == "host":
+            with compute_on("device_host"):
+                return jax.jit(tx.update)(updates, state, params)
+        on_host = jax.tree.map(_on_host, (updates, state))
+        moved = jax.tree.map(lambda x: to_device(x, _on_host(x)), (updates, state, params))
+        return jax.tree.map(to_host, tx.update(*moved), on_host)
+
+    return optax.GradientTransformation(tx.init, update)
