@@ -1,0 +1,184 @@
+"""A small decoder-only transformer language model in Flax linen, with stacked blocks.
+
+Shared by the demo (``jshard/demo.py``), the memory planner (``jshard/report.py``) and
+the benchmarks: its blocks are stacked along axis 0 (one slice per layer), so a loss
+runs them with ``jax.lax.scan`` or :func:`jshard.scan`, whichever ``run_blocks`` says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of the model: vocabulary, width, heads, depth, MLP width, context length."""
+
+    vocab: int = 128
+    d_model: int = 128
+    heads: int = 4
+    layers: int = 4
+    d_ff: int = 512
+    seq_len: int = 128
+
+
+SIZES = {
+    "tiny": TransformerConfig(vocab=128, d_model=64, heads=2, layers=2, d_ff=256, seq_len=64),
+    "small": TransformerConfig(vocab=128, d_model=128, heads=4, layers=4, d_ff=512, seq_len=128),
+    "medium": TransformerConfig(vocab=128, d_model=256, heads=8, layers=6, d_ff=1024, seq_len=128),
+    "1b": TransformerConfig(vocab=32768, d_model=2048, heads=16, layers=18, d_ff=8192, seq_len=1024),
+}
+
+
+class Block(nn.Module):
+    """Pre-norm block: causal self-attention, then a GELU MLP, each with a residual."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        batch, seq, _ = x.shape
+        h = nn.LayerNorm(name="ln1")(x)
+        qkv = nn.Dense(3 * c.d_model, use_bias=False, name="qkv")(h)
+        q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * c.heads, c.d_model // c.heads), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+        mask = jnp.tril(jnp.ones((seq, seq), bool))
+        scores = jnp.where(mask, scores, jnp.asarray(-1e9, scores.dtype))
+        attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        x = x + nn.Dense(c.d_model, use_bias=False, name="proj")(attn.reshape(batch, seq, c.d_model))
+        h = nn.LayerNorm(name="ln2")(x)
+        h = nn.Dense(c.d_ff, name="up")(h)
+        return x + nn.Dense(c.d_model, name="down")(jax.nn.gelu(h))
+
+
+class Embed(nn.Module):
+    """Token and learned position embeddings."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        pos = self.param("pos", nn.initializers.normal(0.02), (c.seq_len, c.d_model))
+        return nn.Embed(c.vocab, c.d_model, name="tokens")(tokens) + pos[: tokens.shape[1]].astype(jnp.float32)
+
+
+class Head(nn.Module):
+    """Final norm and the projection to vocabulary logits."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nn.Dense(self.config.vocab, use_bias=False, name="out")(nn.LayerNorm(name="ln")(x))
+
+
+def init_params(config: TransformerConfig, key: jax.Array) -> dict[str, Any]:
+    """``{"embed", "blocks", "head"}``; every leaf of ``blocks`` is stacked along axis 0."""
+    k_embed, k_blocks, k_head = jax.random.split(key, 3)
+    tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+    x = jnp.zeros((1, config.seq_len, config.d_model))
+    block_keys = jax.random.split(k_blocks, config.layers)
+    return {
+        "embed": Embed(config).init(k_embed, tokens)["params"],
+        "blocks": jax.vmap(lambda k: Block(config).init(k, x)["params"])(block_keys),
+        "head": Head(config).init(k_head, x)["params"],
+    }
+
+
+def abstract_params(config: TransformerConfig) -> dict[str, Any]:
+    """The parameters' shapes and dtypes (``jax.ShapeDtypeStruct``), nothing allocated."""
+    return jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+
+
+def count_params(params: Any) -> int:
+    """Number of elements over all leaves."""
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+RunBlocks = Callable[[Callable[[Any, Any], tuple[Any, Any]], Any, Any], tuple[Any, Any]]
+
+
+def lax_scan_blocks(body: Callable[[Any, Any], tuple[Any, Any]], h: Any, blocks: Any) -> tuple[Any, Any]:
+    """Run stacked blocks with ``jax.lax.scan`` (the plain-JAX way, for reference steps)."""
+    return jax.lax.scan(body, h, blocks)
+
+
+def logits_fn(params: Any, tokens: jax.Array, config: TransformerConfig, run_blocks: RunBlocks) -> jax.Array:
+    """Next-token logits; ``run_blocks(body, h, params["blocks"])`` runs the stack.
+
+    Each block is rematerialised (``jax.checkpoint``): backward recomputes it from its input.
+    """
+    block = Block(config)
+
+    @jax.checkpoint
+    def body(h, layer):
+        return block.apply({"params": layer}, h), None
+
+    h = Embed(config).apply({"params": params["embed"]}, tokens)
+    h = h.astype(jax.tree.leaves(params["head"])[0].dtype)
+    h, _ = run_blocks(body, h, params["blocks"])
+    return Head(config).apply({"params": params["head"]}, h)
+
+
+def lm_loss(params: Any, tokens: jax.Array, config: TransformerConfig, run_blocks: RunBlocks) -> jax.Array:
+    """Mean next-character cross-entropy of ``tokens`` (``[batch, seq_len + 1]``), in float32."""
+    logits = logits_fn(params, tokens[:, :-1], config, run_blocks).astype(jnp.float32)
+    targets = tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None) -> Any:
+    """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit."""
+    import jshard as js
+
+    kwargs = {
+        "mp_policy": mp_policy or js.MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or js.OffloadPolicy(),
+    }
+    blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, **kwargs))
+    return js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(**kwargs))
+
+
+def init_opt_state(optimizer: Any, params: Any, mesh: Any) -> Any:
+    """``optimizer.init(params)`` under ``mesh``, leaves that follow no parameter (step counts) replicated.
+
+    Outside a mesh context, ``jit`` puts the step count on one device, which a step over
+    arrays on the whole mesh (explicit axes especially) then refuses.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    with jax.set_mesh(mesh):
+        state = jax.jit(optimizer.init)(params)
+    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state)
+
+
+def jshard_train_step(config: TransformerConfig, optimizer: Any) -> Callable[..., Any]:
+    """``step(params, opt_state, tokens) -> (params, opt_state, loss)`` for :func:`shard_lm` params.
+
+    The root unit is gathered once; the blocks one layer at a time by :func:`jshard.scan`.
+    """
+    import optax
+
+    import jshard as js
+
+    def loss_fn(params, tokens):
+        return lm_loss(js.unshard(params), tokens, config, js.scan)
+
+    grad_fn = js.value_and_grad(loss_fn, unshard_params=False)
+
+    def step(params, opt_state, tokens):
+        loss, grads = grad_fn(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step

@@ -1,0 +1,142 @@
+"""jshard.report: measured memory and collectives of compiled steps against the analytic model."""
+
+import json
+import resource
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jshard as js
+from jshard.report import Report, plan, step_report
+
+LAYERS, D, N = 4, 13, 8  # D pads to 16: 2 rows per device
+
+
+def _stack(policy_kwargs):
+    key = jax.random.key(0)
+    stack = {"w": jax.random.normal(key, (LAYERS, D, D)) * 0.1}
+    return js.fully_shard(stack, policy=js.FullyShardPolicy(scan_axis=0, **policy_kwargs))
+
+
+def _loss_fn(p, x):
+    def body(h, layer):
+        # Backward needs w itself, so it re-gathers it. (It would save, not re-gather, any
+        # value computed from a gathered leaf, e.g. a broadcast bias: see the final report.)
+        return jnp.tanh(h @ layer["w"]).astype(h.dtype), None
+
+    h, _ = js.scan(body, x, p)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def _train_step(params, opt_state, x):
+    loss, grads = js.value_and_grad(_loss_fn, unshard_params=False)(params, x)
+    updates, opt_state = optax.sgd(0.1, momentum=0.9).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _report(**policy_kwargs):
+    params = _stack(policy_kwargs)
+    opt_state = optax.sgd(0.1, momentum=0.9).init(params)
+    return step_report(_train_step, params, opt_state, jnp.ones((16, D)))
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return _report(reshard_after_forward=True)
+
+
+def test_persistent_arguments_are_total_over_n_plus_padding(fp32):
+    # w is padded from 13 to 16 rows (2 per device); params and momentum, then the batch.
+    padded = LAYERS * 16 * D
+    state = 2 * padded * 4 // N
+    batch = 16 * D * 4 // N
+    assert fp32.analytic.state_bytes == state
+    assert fp32.memory.argument == fp32.analytic.argument_bytes == state + batch
+    assert fp32.analytic.params == LAYERS * D * D
+    assert fp32.analytic.padded_params == padded
+    assert fp32.ratios()["argument bytes"] == 1.0
+
+
+def test_stacked_collective_bytes_equal_the_model(fp32):
+    padded_bytes = LAYERS * 16 * D * 4
+    measured = fp32.collective_bytes
+    assert measured["reduce-scatter"] == fp32.analytic.reduce_scatter == padded_bytes * (N - 1) / N
+    # reshard_after_forward=True: gathered in forward and again in backward.
+    assert measured["all-gather"] == fp32.analytic.all_gather == 2 * padded_bytes * (N - 1) / N
+
+
+def test_loop_collectives_carry_the_trip_count(fp32):
+    in_loop = [c for c in fp32.collectives if c.kind in ("all-gather", "reduce-scatter")]
+    assert in_loop and all(c.in_loop and c.trip_count == LAYERS and c.executions == LAYERS for c in in_loop)
+    assert all(c.group_size == N and c.replica_groups for c in fp32.collectives)
+    loss = [c for c in fp32.collectives if c.kind == "all-reduce"]
+    assert [(c.shapes, c.executions, c.in_loop) for c in loss] == [(((),), 1, False)]
+
+
+def test_mixed_precision_dtypes_come_from_the_lowered_program():
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    report = _report(reshard_after_forward=False, mp_policy=mp)
+    kinds = {(c.kind, c.dtype) for c in report.collectives if c.kind != "all-reduce"}
+    assert kinds == {("all-gather", "bfloat16"), ("reduce-scatter", "float32")}
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    if jax.default_backend() == "cpu":
+        assert {c.compiled_dtype for c in gathers} == {"float32"}  # XLA:CPU upcasts after compiling
+    padded = LAYERS * 16 * D
+    assert report.collective_bytes["all-gather"] == report.analytic.all_gather == padded * 2 * (N - 1) / N
+    assert report.collective_bytes["reduce-scatter"] == report.analytic.reduce_scatter == padded * 4 * (N - 1) / N
+
+
+def test_hsdp_all_reduce_matches_the_model():
+    mesh = js.make_mesh(replicate=2)
+    stack = js.fully_shard({"w": jnp.ones((LAYERS, 16, 16))}, mesh, js.FullyShardPolicy(scan_axis=0))
+
+    def loss_fn(p, x):
+        h, _ = js.scan(lambda h, layer: (jnp.tanh(h @ layer["w"]), None), x, p)
+        return jnp.mean(h ** 2)
+
+    report = step_report(js.value_and_grad(loss_fn, unshard_params=False), stack, jnp.ones((16, 16)))
+    n, r = 4, 2
+    shard_bytes = LAYERS * 16 * 16 * 4 / n
+    assert report.analytic.all_reduce == 2 * shard_bytes * (r - 1) / r
+    loss_scalar = 2 * 4 * 7 / 8  # the loss pmean over all 8 devices, which the model leaves out
+    assert report.collective_bytes["all-reduce"] == pytest.approx(report.analytic.all_reduce + loss_scalar)
+    assert report.collective_bytes["reduce-scatter"] == report.analytic.reduce_scatter
+
+
+def test_report_is_plain_data_and_text(fp32):
+    data = json.loads(fp32.to_json())
+    assert set(data) >= {"memory", "collectives", "analytic", "mesh", "collective_bytes", "ratios"}
+    assert data["memory"]["peak"] == fp32.memory.peak > 0
+    assert Report.from_dict(data) == fp32
+    text = str(fp32)
+    assert "reduce-scatter bytes/step" in text and "groups of 8 x4 in loop" in text
+
+
+def test_abstract_inputs_give_the_same_report(fp32):
+    params = _stack({"reshard_after_forward": True})
+    opt_state = optax.sgd(0.1, momentum=0.9).init(params)
+    def abstract(x):
+        sharding = x.sharding if isinstance(x.sharding, jax.NamedSharding) else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    abstract = jax.tree.map(abstract, (params, opt_state, jnp.ones((16, D))))
+    report = step_report(_train_step, *abstract)
+    assert report.memory == fp32.memory
+    assert report.collective_bytes == fp32.collective_bytes
+
+
+def test_plan_1b_on_64_devices_without_allocating():
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    report = plan("1b", devices=64)
+    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert report.analytic.devices == 64 and report.mesh == {"fsdp": 64}
+    assert report.analytic.params > 1_000_000_000
+    # AdamW: params + mu + nu, each 1/64 per device; the batch is one sequence per device.
+    assert report.analytic.state_bytes == 3 * report.analytic.param_bytes
+    assert report.memory.argument == report.analytic.argument_bytes
+    assert report.collective_bytes["reduce-scatter"] == report.analytic.reduce_scatter
+    # The 64 devices together would hold far more than the planning process ever did.
+    assert child_rss < 64 * report.memory.peak / 10
+    assert before <= child_rss or before > 0
