@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from jshard._analytic import Analytic, analytic
+from jshard._hlo import entry_bytes_by_memory_space
 from jshard._plan import plan as plan
 from jshard._report_hlo import CollectiveInfo, step_collectives, wire_bytes_by_kind
 from jshard._unit import all_units
@@ -35,7 +36,9 @@ class Memory:
 
     ``peak`` is ``argument + output + temp - alias``: everything the program holds at
     once at most (XLA:CPU's own ``peak_memory_in_bytes`` leaves arguments out and is
-    kept as ``xla_peak``). ``host_*`` are the same figures in host memory kinds.
+    kept as ``xla_peak``). ``host_*`` are the same figures in host memory kinds; where
+    the backend counts host-resident arguments and outputs as device bytes (XLA:CPU),
+    they are moved to ``host_*`` by the entry layout's memory spaces.
     """
 
     argument: int
@@ -62,6 +65,11 @@ class Memory:
         for name in _MEMORY_FIELDS:
             values[name] = int(getattr(stats, f"{name}_size_in_bytes", 0) or 0)
             values[f"host_{name}"] = int(getattr(stats, f"host_{name}_size_in_bytes", 0) or 0)
+        host = entry_bytes_by_memory_space(compiled.as_text())["host"]
+        for name, part in (("argument", "arguments"), ("output", "outputs")):
+            if not values[f"host_{name}"] and host[part]:
+                values[name] -= host[part]
+                values[f"host_{name}"] = host[part]
         return cls(**values, xla_peak=int(getattr(stats, "peak_memory_in_bytes", 0) or 0))
 
 

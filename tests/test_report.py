@@ -105,6 +105,13 @@ def test_hsdp_all_reduce_matches_the_model():
     assert report.collective_bytes["reduce-scatter"] == report.analytic.reduce_scatter
 
 
+def test_offloaded_state_is_reported_as_host_memory():
+    report = _report(offload_policy=js.CPUOffloadPolicy())
+    state = 2 * LAYERS * 16 * D * 4 // N
+    assert report.memory.host_argument == report.analytic.host_argument_bytes == state
+    assert report.memory.argument == report.analytic.argument_bytes == 16 * D * 4 // N
+
+
 def test_report_is_plain_data_and_text(fp32):
     data = json.loads(fp32.to_json())
     assert set(data) >= {"memory", "collectives", "analytic", "mesh", "collective_bytes", "ratios"}
