@@ -1,6 +1,7 @@
 """10 steps of SGD with momentum, sharded vs an unsharded single-device reference."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
@@ -87,3 +88,18 @@ def test_parity_with_full_params_given_to_loss_fn(reference):
         sharded, state, loss, grads = step(sharded, state, batch)
         losses.append(float(loss))
     _check(reference, losses, sharded, grads)
+
+
+@pytest.mark.parametrize("reduce_dtype", [jnp.float32, None], ids=["bf16-params-f32-reduce", "bf16-all"])
+def test_mixed_precision_stays_within_a_stated_bound(reference, reduce_dtype):
+    # Measured on this model: loss within 3.6e-3 (relative) and params within 1.1e-3 of
+    # fp32 after 10 steps; the bounds below leave a margin of about three.
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype)
+    losses, sharded, grads = train_sharded(shard(init_params(), js.make_mesh(), js.FullyShardPolicy(mp_policy=mp)),
+                                           batches(STEPS))
+    ref_losses, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
+    diffs = [np.abs(np.asarray(a) - np.asarray(b)).max()
+             for a, b in zip(jax.tree.leaves(js.unshard(sharded)), jax.tree.leaves(ref_params), strict=True)]
+    assert 1e-6 < max(diffs) < 3e-3  # really computed in bf16, and close
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(sharded))  # fp32 master shards
