@@ -101,11 +101,11 @@ def train_reference(params: dict, data: list[dict]) -> tuple[list[float], dict]:
     return losses, params
 
 
-def train_sharded(sharded, data: list[dict], **grad_kwargs) -> tuple[list[float], object]:
-    """The same training with jshard's step (per-unit explicit unshard in ``loss_fn``)."""
-    tx = optimizer()
+def train_sharded(sharded, data: list[dict], tx=None, unshard_params: bool = False, **grad_kwargs):
+    """The same training with jshard's step; returns (losses, params, last grads, opt state)."""
+    tx = tx or optimizer()
     state = tx.init(sharded)
-    grad_fn = js.value_and_grad(loss_fn, unshard_params=False, **grad_kwargs)
+    grad_fn = js.value_and_grad(loss_fn, unshard_params=unshard_params, **grad_kwargs)
 
     @jax.jit
     def step(p, s, batch):
@@ -117,4 +117,4 @@ def train_sharded(sharded, data: list[dict], **grad_kwargs) -> tuple[list[float]
     for batch in data:
         sharded, state, loss, grads = step(sharded, state, batch)
         losses.append(float(loss))
-    return losses, sharded, grads
+    return losses, sharded, grads, state

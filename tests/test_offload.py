@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from model import batches, init_params, loss_fn, shard
+from model import batches, init_params, shard, train_sharded
 
 import jshard as js
 from jshard._hlo import entry_bytes_by_memory_space
@@ -14,29 +14,12 @@ from jshard._hlo import entry_bytes_by_memory_space
 OFFLOAD = js.FullyShardPolicy(offload_policy=js.CPUOffloadPolicy())
 
 
-def _train(sharded, tx, steps=4):
-    state = tx.init(sharded)
-    grad_fn = js.value_and_grad(loss_fn, unshard_params=False)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, grads = grad_fn(p, batch)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss, grads
-
-    losses = []
-    for batch in batches(steps):
-        sharded, state, loss, grads = step(sharded, state, batch)
-        losses.append(float(loss))
-    return losses, sharded, state, grads, step
-
-
 @pytest.mark.parametrize("compute", ["host", "device"])
 def test_offloaded_training_equals_device_training_exactly(compute):
     tx = optax.sgd(0.1, momentum=0.9)
-    base_losses, base_params, *_ = _train(shard(init_params(), js.make_mesh()), tx)
-    losses, params, state, grads, _ = _train(shard(init_params(), js.make_mesh(), OFFLOAD),
-                                             js.offload_optimizer(tx, compute))
+    base_losses, base_params, *_ = train_sharded(shard(init_params(), js.make_mesh()), batches(4), tx)
+    losses, params, grads, state = train_sharded(shard(init_params(), js.make_mesh(), OFFLOAD), batches(4),
+                                                 js.offload_optimizer(tx, compute))
     assert losses == base_losses
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
