@@ -1,0 +1,172 @@
+"""Joining a multi-process JAX job: under ``jshard.launch``, on a cluster, or alone.
+
+[Note: multi-process timeouts] JAX's coordination service (started by
+``jax.distributed.initialize``) is what stops a job from hanging when a process dies:
+each process sends heartbeats, and once one has been silent for
+``heartbeat_timeout_seconds`` the service terminates every other process with
+"Terminating process because the JAX distributed service detected fatal errors".
+A process that is blocked in a collective waiting for a dead peer is released only
+that way. A process that raises instead would, at exit, wait up to
+``shutdown_timeout_seconds`` at the shutdown barrier for peers that are themselves
+blocked in a collective waiting for it; so :func:`initialize` makes an uncaught
+exception exit the process at once (``exit_on_error``), and the others follow after
+the heartbeat timeout. ``docs/multihost.md`` has the table of timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import Any
+
+import jax
+from jax._src import xla_bridge
+
+_USED_BEFORE = (
+    "jshard.launch.initialize() must run before any JAX computation or jax.devices() call: those "
+    "start a one-process backend, and JAX cannot join a multi-process job afterwards. Call it first "
+    "thing in the script (right after the imports)."
+)
+
+COORDINATOR = "JSHARD_COORDINATOR_ADDRESS"
+NUM_PROCESSES = "JSHARD_NUM_PROCESSES"
+PROCESS_ID = "JSHARD_PROCESS_ID"
+DEVICES_PER_PROCESS = "JSHARD_DEVICES_PER_PROCESS"
+HEARTBEAT_TIMEOUT = "JSHARD_HEARTBEAT_TIMEOUT"
+INIT_TIMEOUT = "JSHARD_INIT_TIMEOUT"
+SHUTDOWN_TIMEOUT = "JSHARD_SHUTDOWN_TIMEOUT"
+DISTRIBUTED = "JSHARD_DISTRIBUTED"
+
+# Environment variables that say "this process is one of several" on clusters that
+# ``jax.distributed.initialize()`` detects by itself (name -> minimum value, or None: present).
+_CLUSTER_MARKERS: dict[str, int | None] = {
+    "JAX_COORDINATOR_ADDRESS": None,
+    "SLURM_NTASKS": 2,
+    "OMPI_COMM_WORLD_SIZE": 2,
+    "MEGASCALE_COORDINATOR_ADDRESS": None,
+}
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by ``python -m jshard.launch``."""
+    return COORDINATOR in os.environ
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={value!r} must be an integer (seconds or a count).") from None
+
+
+def _on_cluster() -> bool:
+    flag = os.environ.get(DISTRIBUTED)
+    if flag is not None:
+        return flag not in ("", "0", "false", "False")
+    for name, minimum in _CLUSTER_MARKERS.items():
+        if name in os.environ and (minimum is None or (_env_int(name) or 0) >= minimum):
+            return True
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return "," in hosts
+
+
+def _timeouts(heartbeat: int | None, init: int | None, shutdown: int | None) -> dict[str, int]:
+    chosen = {
+        "heartbeat_timeout_seconds": heartbeat if heartbeat is not None else _env_int(HEARTBEAT_TIMEOUT),
+        "initialization_timeout": init if init is not None else _env_int(INIT_TIMEOUT),
+        "shutdown_timeout_seconds": shutdown if shutdown is not None else _env_int(SHUTDOWN_TIMEOUT),
+    }
+    return {k: v for k, v in chosen.items() if v is not None}
+
+
+def _launcher_args() -> dict[str, Any]:
+    devices = _env_int(DEVICES_PER_PROCESS)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if devices is not None:
+        jax.config.update("jax_num_cpu_devices", devices)
+    return {
+        "coordinator_address": os.environ[COORDINATOR],
+        "num_processes": _env_int(NUM_PROCESSES),
+        "process_id": _env_int(PROCESS_ID),
+    }
+
+
+def _exit_at_once_on_uncaught(process_id: int) -> None:
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+        previous(kind, value, tb)
+        print(
+            f"[jshard] process {process_id}: uncaught {kind.__name__}; exiting now instead of waiting at "
+            "JAX's shutdown barrier (the other processes stop after the heartbeat timeout, or at once "
+            "under jshard.launch).",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def initialize(
+    *,
+    distributed: bool | None = None,
+    heartbeat_timeout_s: int | None = None,
+    initialization_timeout_s: int | None = None,
+    shutdown_timeout_s: int | None = None,
+    exit_on_error: bool = True,
+) -> bool:
+    """Join the multi-process job this process belongs to, if any; call it before any JAX work.
+
+    - Under ``python -m jshard.launch``: CPU devices with gloo collectives, the launcher's
+      coordinator address, process count and id, and ``--devices-per-proc`` devices.
+    - On a cluster (``distributed=True``, ``JSHARD_DISTRIBUTED=1``, or SLURM / Open MPI /
+      TPU-pod / ``JAX_COORDINATOR_ADDRESS`` environment variables): plain
+      ``jax.distributed.initialize()``, which detects the rest.
+    - Otherwise: nothing (one process); returns ``False``.
+
+    Calling it again after it joined is a no-op. Timeouts left ``None`` come from the
+    ``JSHARD_HEARTBEAT_TIMEOUT`` / ``JSHARD_INIT_TIMEOUT`` / ``JSHARD_SHUTDOWN_TIMEOUT``
+    environment variables (the launcher sets them), else JAX's defaults (100 / 300 / 300 s).
+
+    Args:
+      distributed: ``True`` forces ``jax.distributed.initialize()``; ``False`` never joins
+        (outside the launcher); ``None`` decides from the environment.
+      heartbeat_timeout_s: a process silent this long is dead; the others are terminated.
+      initialization_timeout_s: how long to wait for every process to connect.
+      shutdown_timeout_s: how long a finished process waits for the others at exit.
+      exit_on_error: an uncaught exception exits the process at once (see the Note above).
+
+    Returns:
+      Whether this process is part of a multi-process job.
+
+    Raises:
+      RuntimeError: JAX was already used in this process before joining.
+
+    Example:
+      >>> from jshard.launch import initialize
+      >>> initialize()  # one plain process: nothing to join
+      False
+    """
+    if jax.distributed.is_initialized():
+        return True
+    joining = under_launcher() or distributed or (distributed is None and _on_cluster())
+    if joining and xla_bridge.backends_are_initialized():
+        raise RuntimeError(_USED_BEFORE)
+    if under_launcher():
+        args = _launcher_args()
+    elif distributed or (distributed is None and _on_cluster()):
+        args = {}
+    else:
+        return False
+    args.update(_timeouts(heartbeat_timeout_s, initialization_timeout_s, shutdown_timeout_s))
+    jax.distributed.initialize(**args)
+    if exit_on_error:
+        _exit_at_once_on_uncaught(jax.process_index())
+    return True
