@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jshard import _context, _local
+from jshard import _consistency, _context, _local
 from jshard._api import FullyShardPolicy
 from jshard._layout import LeafLayout, named_sharding, pad, plan_leaf, unpad
 from jshard._mesh import MeshAxes, make_mesh, resolve_axes
@@ -111,6 +111,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     for i in own:
         layouts[i] = plan_leaf(*entries_with_path[i], axes, policy)
     meta = UnitMeta(mesh, axes, policy, tuple(layouts))
+    _consistency.check_unit([path for path, _ in entries_with_path], meta)  # multi-process only
     entries = [x for _, x in entries_with_path]
     shardings = [named_sharding(mesh, layouts[i], axes, policy) for i in own]
     stored = _shard_leaves([entries[i] for i in own], [layouts[i] for i in own], shardings)
