@@ -1,0 +1,153 @@
+"""Just-in-time gathering around a sharded NNX module's forward methods.
+
+``fully_shard`` changes a module's class to ``FSDP<Name>(FSDPModule, Name)`` (FSDP2 does the
+same), so ``module(x)`` goes through :func:`forward`: inside the step it gathers the
+module's own parameters (``js.unshard`` of its unit, in the core's local view), runs the
+original method, and puts the shards back. The class is part of the module's graphdef,
+so copies made by ``nnx.merge`` (``nnx.jit``, ``nnx.scan`` bodies) behave the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jshard import _context
+from jshard._fully_shard import unshard
+from jshard._local import gather_leaf, leaf_comm
+from jshard._remat import REMAT_POLICY
+from jshard._scan import _layer_layout
+from jshard._unit import FSDPUnit, is_unit
+from jshard.flax import _nnx_context as ctx_lib
+from jshard.flax._nnx_graph import describe, nest, own_variables, unit_state
+
+OUTSIDE_STEP = (
+    "{module} is fully sharded and was called outside the step: its parameters are shards. "
+    "Call it inside jshard.flax.nnx.value_and_grad(loss_fn)(model, batch), or gather the model "
+    "for evaluation with jshard.flax.nnx.unshard(model) (and jshard.flax.nnx.reshard(model) "
+    "before training again)."
+)
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)))
+
+
+def _is_slice(x: Any, layout: Any, scan_axis: int | None) -> bool:
+    """Whether ``x`` is one layer of a stacked leaf (inside ``nnx.scan`` over the stack)."""
+    return scan_axis == 0 and x.ndim == len(layout.shape) - 1
+
+
+def gather(module: Any, view: Any) -> list[tuple[Any, Any]]:
+    """Put the module's gathered parameters in its Params; returns ``(param, shard)`` to restore."""
+    state = unit_state(module)
+    meta = state.meta
+    raf = _resolved(module, view)
+    params = own_variables(module)
+    own = [(i, p) for i, ((_, is_sub), p) in enumerate(zip(state.entries, params, strict=True)) if not is_sub]
+    if view.pregathered or not own:
+        return []
+    shards = [p.get_value() for _, p in own]
+    layouts = [meta.layouts[i] for i, _ in own]
+    if any(_is_slice(x, layout, meta.policy.scan_axis) for x, layout in zip(shards, layouts, strict=True)):
+        full = [
+            x if layout.ignored else gather_leaf(leaf_comm(_layer_layout(layout), meta.axes, meta.policy, view), x, raf)
+            for x, layout in zip(shards, layouts, strict=True)
+        ]
+    else:
+        pairs = zip(state.entries, params, strict=True)
+        values = [FSDPUnit(None, None) if is_sub else p.get_value() for (_, is_sub), p in pairs]
+        unit = FSDPUnit(nest([(path, x) for (path, _), x in zip(state.entries, values, strict=True)]), meta)
+        flat = jax.tree.leaves(unshard(unit), is_leaf=is_unit)
+        full = [flat[i] for i, _ in own]
+    for (_, p), x in zip(own, full, strict=True):
+        p.set_value(x)
+    return [(p, x) for (_, p), x in zip(own, shards, strict=True)]
+
+
+def _resolved(module: Any, view: Any) -> bool | int:
+    try:
+        return view.reshard[id(unit_state(module).meta)]
+    except KeyError:
+        raise ValueError(
+            f"{describe(module)} was called in a step that it is not part of: pass the model that "
+            "contains it to the grad function (do not close over sharded modules)."
+        ) from None
+
+
+def restore(saved: list[tuple[Any, Any]]) -> None:
+    for param, shard in saved:
+        param.set_value(shard)
+
+
+def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """Run ``module.<name>`` with its parameters gathered (see the module docstring).
+
+    [Note: stacked slices] Inside ``nnx.scan`` over a stacked unit the gather runs in a
+    checkpoint (``nnx.remat`` with the core's names policy), as :func:`jshard.scan` does:
+    the step's own checkpoint does not reach into the scan body, and without this every
+    layer's gathered parameters would be saved for backward.
+    """
+    method = getattr(type(module)._jshard_base, name)
+    state = unit_state(module)
+    view = _context.current()
+    if view is None:
+        if state.unsharded:
+            return method(module, *args, **kwargs)
+        raise RuntimeError(OUTSIDE_STEP.format(module=describe(module)))
+    step = ctx_lib.current(module)
+    held = step.gathered.get(id(module))
+    if held is not None and held.kind != "prefetch":
+        return method(module, *args, **kwargs)
+    for uid in state.forward_prefetch:
+        _prefetch(step, step.module_by_uid(uid, module), view)
+    if held is None and _is_stacked_slice(module) and _resolved(module, view) is not False:
+        return nnx.remat(lambda m: _gathered_call(m, method, args, kwargs, step, view), policy=REMAT_POLICY)(module)
+    return _gathered_call(module, method, args, kwargs, step, view)
+
+
+def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: Any, view: Any) -> Any:
+    held = step.gathered.get(id(module))
+    if held is None:
+        held = step.gathered[id(module)] = ctx_lib.Held("forward", gather(module, view))
+    held.kind = "forward"
+    try:
+        mp = unit_state(module).meta.policy.mp_policy
+        if mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        return _cast_floats(method(module, *args, **kwargs), mp.output_dtype)
+    finally:
+        restore(step.gathered.pop(id(module)).saved)
+
+
+def _is_stacked_slice(module: Any) -> bool:
+    state = unit_state(module)
+    pairs = zip(state.entries, state.meta.layouts, own_variables(module), strict=True)
+    return any(
+        _is_slice(p.get_value(), layout, state.meta.policy.scan_axis) for (_, is_sub), layout, p in pairs if not is_sub
+    )
+
+
+def _prefetch(step: ctx_lib.StepContext, target: Any, view: Any) -> None:
+    if id(target) not in step.gathered:
+        step.gathered[id(target)] = ctx_lib.Held("prefetch", gather(target, view))
+
+
+def forward_method(name: str) -> Callable[..., Any]:
+    def method(self, *args, **kwargs):
+        return forward(self, name, args, kwargs)
+
+    method.__name__ = name
+    return method

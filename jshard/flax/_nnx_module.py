@@ -1,0 +1,223 @@
+"""``FSDPModule``: the class every sharded NNX module gets, with FSDP2's module controls.
+
+Controls that are policy data in jshard (``FullyShardPolicy`` fields) replace the policy
+in the module's unit meta; step-wide ones (gradient sync, all-reduce, reshard after
+backward) are kept in its :class:`UnitState` and read by the step. Both are static
+attributes: the next ``nnx.jit`` call retraces with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jshard import _context
+from jshard._fully_shard import _check_mesh_shape, _shard_leaves
+from jshard._layout import named_sharding, unpad
+from jshard.flax import _nnx_context as ctx_lib
+from jshard.flax._nnx_forward import gather, restore
+from jshard.flax._nnx_graph import own_variables, set_unit_state, sharded_modules, unit_state
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; JAX dispatch is already asynchronous."""
+
+    def wait(self) -> None:
+        """Nothing to wait for: the gathered values are ready when they are used."""
+
+
+class FSDPModule(nnx.Module):
+    """Mixin of every module that ``jshard.flax.nnx.fully_shard`` sharded (FSDP2's ``FSDPModule``).
+
+    Example:
+      >>> import jshard as js
+      >>> from flax import nnx
+      >>> from jshard.flax import nnx as jnnx
+      >>> model = jnnx.fully_shard(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+      >>> isinstance(model, jnnx.FSDPModule), type(model).__name__
+      (True, 'FSDPLinear')
+    """
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's own parameters and keep them gathered until :meth:`reshard`.
+
+        Outside the step the Params become full, replicated arrays (for evaluation or
+        export; calls then run unchanged). Inside the step the gather happens now and
+        later calls of the module use it instead of gathering again.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> model = jnnx.fully_shard(nnx.Linear(3, 5, rngs=nnx.Rngs(0)))
+          >>> model.kernel.get_value().shape  # padded to the 8 devices
+          (8, 5)
+          >>> _ = model.unshard()
+          >>> model(jnp.ones((2, 3))).shape
+          (2, 5)
+          >>> model.reshard(); model.kernel.get_value().shape
+          (8, 5)
+        """
+        view = _context.current()
+        if view is None:
+            _unshard_global(self)
+        else:
+            step = ctx_lib.current(self)
+            if id(self) not in step.gathered:
+                step.gathered[id(self)] = ctx_lib.Held("explicit", gather(self, view))
+            else:
+                step.gathered[id(self)].kind = "explicit"
+        return UnshardHandle() if async_op else None
+
+    def reshard(self) -> None:
+        """Put this module's shards back (the inverse of :meth:`unshard`). Example: see :meth:`unshard`."""
+        if _context.current() is None:
+            _reshard_global(self)
+            return
+        held = ctx_lib.current(self).gathered.pop(id(self), None)
+        if held is not None:
+            restore(held.saved)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True) -> None:
+        """Free gathered parameters after forward (``True``) or keep them for backward.
+
+        Updates ``FullyShardPolicy.reshard_after_forward`` of this module's unit (and of
+        every sharded module below it when ``recurse``).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> model = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> model.set_reshard_after_forward(False); model.policy.reshard_after_forward
+          False
+        """
+        for module in _targets(self, recurse):
+            _update_policy(module, reshard_after_forward=reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False``: gather once per step and keep the parameters over all microbatches.
+
+        In JAX the gradient of a value gathered once is reduced once, so this selects the
+        step's gather-once mode (the same as ``set_requires_gradient_sync(False)``). It is
+        a property of the whole step: set it on the root.
+        """
+        for module in _targets(self, recurse):
+            _update_state(module, reshard_after_backward=_as_bool("reshard_after_backward", reshard_after_backward))
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: accumulate unsharded gradients over microbatches, reduce once per step."""
+        for module in _targets(self, recurse):
+            _update_state(module, requires_gradient_sync=_as_bool("requires_gradient_sync", requires_gradient_sync))
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """``False``: with HSDP, all-reduce over replicas once per step, not per microbatch."""
+        for module in _targets(self, recurse):
+            _update_state(module, requires_all_reduce=_as_bool("requires_all_reduce", requires_all_reduce))
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by ``factor`` instead of the device count."""
+        _update_policy(self, gradient_divide_factor=factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Split the division around the summing collective (pre- and post-scale)."""
+        _update_policy(self, force_sum_reduction_for_comms=enable)
+
+    def set_custom_all_gather(self, comm: Callable[..., Any]) -> None:
+        """Replace this unit's all-gather: ``comm(shard, axis_names, dim) -> full``."""
+        _update_policy(self, custom_all_gather=comm)
+
+    def set_custom_reduce_scatter(self, comm: Callable[..., Any]) -> None:
+        """Replace this unit's reduce-scatter: ``comm(grad, axis_names, dim) -> shard`` (a sum)."""
+        _update_policy(self, custom_reduce_scatter=comm)
+
+    def set_all_reduce_hook(self, hook: Callable[..., Any], *, stream: Any = None) -> None:
+        """Replace the all-reduce over replicate axes: ``hook(grad_shard, axes) -> grad_shard``."""
+        if stream is not None:
+            raise ValueError("`stream` is not applicable in JAX (XLA schedules collectives); pass only `hook`.")
+        _update_policy(self, all_reduce_hook=hook)
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """Gather ``modules`` when this module's forward starts (before they are called)."""
+        _update_state(self, forward_prefetch=_uids(modules))
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """Record the modules to re-gather during this module's backward (a scheduling hint).
+
+        JAX places backward re-gathers itself (remat) and XLA schedules them; see
+        ``docs/flax.md``. The list is validated and kept in ``backward_prefetch``.
+        """
+        _update_state(self, backward_prefetch=_uids(modules))
+
+    @property
+    def policy(self):
+        """This module's unit policy (a :class:`jshard.FullyShardPolicy`)."""
+        return unit_state(self).meta.policy
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool, got {value!r}.")
+    return value
+
+
+def _targets(module: Any, recurse: bool) -> list[Any]:
+    return [m for _, m in sharded_modules(module)] if recurse else [module]
+
+
+def _update_state(module: Any, **changes: Any) -> None:
+    set_unit_state(module, dataclasses.replace(unit_state(module), **changes))
+
+
+def _update_policy(module: Any, **changes: Any) -> None:
+    state = unit_state(module)
+    policy = dataclasses.replace(state.meta.policy, **changes)
+    _check_mesh_shape(state.meta.axes, policy)
+    _update_state(module, meta=dataclasses.replace(state.meta, policy=policy))
+
+
+def _uids(modules: Sequence[Any]) -> tuple[int, ...]:
+    out = []
+    for i, m in enumerate(modules):
+        if unit_state(m) is None:
+            raise ValueError(
+                f"modules[{i}] ({type(m).__name__}) is not fully sharded: pass modules returned by "
+                "jshard.flax.nnx.fully_shard."
+            )
+        out.append(unit_state(m).uid)
+    return tuple(out)
+
+
+def _own_params(module: Any) -> list[tuple[Any, Any]]:
+    state = unit_state(module)
+    pairs = zip(state.entries, state.meta.layouts, own_variables(module), strict=True)
+    return [(layout, p) for (_, is_sub), layout, p in pairs if not is_sub and not layout.ignored]
+
+
+def _unshard_global(module: Any) -> None:
+    state = unit_state(module)
+    if state.unsharded:
+        return
+    meta = state.meta
+    replicated = jax.sharding.NamedSharding(meta.mesh, jax.sharding.PartitionSpec())
+    for layout, p in _own_params(module):
+        full = jax.jit(lambda x, layout=layout: unpad(jax.device_put(x, replicated), layout), out_shardings=replicated)
+        p.set_value(full(p.get_value()))
+    _update_state(module, unsharded=True)
+
+
+def _reshard_global(module: Any) -> None:
+    state = unit_state(module)
+    if not state.unsharded:
+        return
+    meta = state.meta
+    pairs = _own_params(module)
+    layouts = [layout for layout, _ in pairs]
+    shardings = [named_sharding(meta.mesh, layout, meta.axes, meta.policy) for layout in layouts]
+    stored = _shard_leaves([p.get_value() for _, p in pairs], layouts, shardings)
+    for (_, p), x in zip(pairs, stored, strict=True):
+        p.set_value(x)
+    _update_state(module, unsharded=False)

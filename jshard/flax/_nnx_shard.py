@@ -1,0 +1,196 @@
+"""``fully_shard`` for NNX modules: validation, the unit, and the class change."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from jshard._api import FullyShardPolicy
+from jshard._fully_shard import fully_shard as _fully_shard_tree
+from jshard._mesh import make_mesh
+from jshard._unit import is_unit
+from jshard.flax._nnx_forward import forward_method
+from jshard.flax._nnx_graph import (
+    Path,
+    UnitState,
+    build_unit,
+    describe,
+    format_path,
+    get_path,
+    member_of,
+    nest,
+    set_unit_state,
+    tree_entries,
+    unit_state,
+    walk,
+)
+from jshard.flax._nnx_module import FSDPModule
+
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def fsdp_class(base: type, methods: tuple[str, ...]) -> type:
+    """``FSDP<Name>(FSDPModule, Name)`` whose ``methods`` gather parameters (cached)."""
+    key = (base, methods)
+    if key not in _CLASSES:
+        namespace = {name: forward_method(name) for name in methods}
+        namespace.update(_jshard_base=base, _jshard_methods=methods, __module__=base.__module__)
+        _CLASSES[key] = type(f"FSDP{base.__name__}", (FSDPModule, base), namespace)
+    return _CLASSES[key]
+
+
+def _where(module: Any, path: Path) -> str:
+    return f"`{format_path(path)}` of {describe(module)}"
+
+
+def _shared_error(module: Any, path: Path, other: str, what: str = "Module") -> ValueError:
+    return ValueError(
+        f"{what} {_where(module, path)} is shared by two parents (it is also {other}): a unit's "
+        "parameters must have one owner, or they would be gathered and reduced as two copies. "
+        "Shard the smallest module that contains every use instead (FSDP units form a tree), or "
+        "give each parent its own copy."
+    )
+
+
+def _collect(module: Any) -> tuple[list[tuple[Path, Any]], list[tuple[Path, Any]]]:
+    """The module's own Params and its top-most sharded sub-modules, after the sharing checks."""
+    subs: dict[int, tuple[Path, Any]] = {}
+    own_ids: dict[int, Path] = {}
+    for path, node in walk(module):
+        if unit_state(node) is not None:
+            if id(node) in subs:
+                raise _shared_error(module, path, f"at `{format_path(subs[id(node)][0])}`")
+            if unit_state(node).parent is not None:
+                raise _shared_error(module, path, f"a sub-unit of {unit_state(node).parent}")
+            subs[id(node)] = (path, node)
+        elif isinstance(node, nnx.Param):
+            own_ids.setdefault(id(node), path)
+        elif isinstance(node, nnx.Module) and member_of(node) is not None:
+            owner, where = member_of(node)
+            raise _shared_error(module, path, f"`{where}` in the unit of {owner}")
+    for sub_path, sub in subs.values():
+        for path, node in walk(sub, sub_path, stop_at_units=False):
+            if isinstance(node, nnx.Param) and id(node) in own_ids:
+                other = f"`{format_path(path)}` inside the sharded `{format_path(sub_path)}`"
+                raise _shared_error(module, own_ids[id(node)], other, what="Param")
+    sub_paths = [p for p, _ in subs.values()]
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    own = [(p, get_path(module, p)) for p, _ in flat if not any(p[: len(s)] == s for s in sub_paths)]
+    return own, sorted(subs.values(), key=lambda item: item[0])
+
+
+def _check_can_shard(module: Any) -> None:
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"jshard.flax.nnx.fully_shard takes an nnx.Module, got {type(module).__name__}.")
+    if unit_state(module) is not None:
+        raise RuntimeError(f"{describe(module)} is already fully sharded: call fully_shard once per module.")
+    if member_of(module) is not None:
+        owner, where = member_of(module)
+        raise RuntimeError(
+            f"Module `{where}` ({type(module).__name__}) already belongs to the unit of {owner}, which was "
+            f"sharded before it: apply fully_shard bottom-up, to `{where}` before its root (re-create the "
+            "model and shard the blocks first, then the root)."
+        )
+
+
+def _stamp(module: Any, subs: list[tuple[Path, Any]]) -> None:
+    """Record, for later checks and messages, who owns what."""
+    owner = describe(module)
+    for path, node in walk(module):
+        if isinstance(node, nnx.Module) and unit_state(node) is None:
+            object.__setattr__(node, "_jshard_member", (owner, format_path(path)))
+    for _, sub in subs:
+        set_unit_state(sub, dataclasses.replace(unit_state(sub), parent=owner))
+    for path, node in nnx.iter_modules(module):
+        if path and unit_state(node) is not None:
+            set_unit_state(node, dataclasses.replace(unit_state(node), name=format_path(path)))
+
+
+def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy | None = None) -> Any:
+    """Shard an NNX module's parameters as one unit, in place (FSDP2's ``fully_shard``).
+
+    Apply it bottom-up: to each block, then to the root. The module's own ``nnx.Param``
+    values (those not inside a module sharded before) become the leaves of one
+    :class:`jshard.FSDPUnit`: each Param now holds its padded shard array, and the
+    module's class becomes ``FSDP<Name>``, whose ``__call__`` gathers the parameters
+    just in time inside :func:`jshard.flax.nnx.value_and_grad` and reshards after
+    forward per the policy; gradients are reduce-scattered per module. A module whose
+    Params are stacked along axis 0 (``nnx.vmap``) takes
+    ``FullyShardPolicy(scan_axis=0)``; called inside ``nnx.scan`` it gathers one layer
+    per iteration.
+
+    Args:
+      module: an ``nnx.Module``; sharded modules inside it stay their own units.
+      mesh: the mesh (default :func:`jshard.make_mesh`).
+      policy: a :class:`jshard.FullyShardPolicy` (default ``FullyShardPolicy()``).
+
+    Returns:
+      ``module`` itself, now also an :class:`jshard.flax.nnx.FSDPModule`.
+
+    Raises:
+      RuntimeError: the module is already sharded, or belongs to a unit sharded before it.
+      ValueError: a module or Param shared by two units, an empty module, or an
+        invalid leaf (see :func:`jshard.fully_shard`).
+
+    Example:
+      >>> from flax import nnx
+      >>> from jshard.flax import nnx as jnnx
+      >>> class MLP(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+      ...         self.head = nnx.Linear(4, 1, rngs=rngs)
+      >>> model = MLP(nnx.Rngs(0))
+      >>> for block in model.blocks:
+      ...     _ = jnnx.fully_shard(block)
+      >>> model = jnnx.fully_shard(model)
+      >>> model.head.kernel.get_value().sharding.spec[0], model.blocks[1].kernel.get_value().shape
+      ('fsdp', (8, 4))
+    """
+    _check_can_shard(module)
+    own, subs = _collect(module)
+    items = [(p, v.get_value()) for p, v in own] + [(p, build_unit(s)) for p, s in subs]
+    if not items:
+        raise ValueError(f"{describe(module)} has no nnx.Param to shard: shard a module that owns parameters.")
+    unit = _fully_shard_tree(nest(items), make_mesh() if mesh is None else mesh, policy)
+    entries = tree_entries(unit.tree)
+    for path, x in entries:
+        if not is_unit(x):
+            get_path(module, path).set_value(x)
+    state = UnitState(
+        meta=unit.meta,
+        entries=tuple((path, is_unit(x)) for path, x in entries),
+        name="",
+        cls_name=type(module).__name__,
+    )
+    module.__class__ = fsdp_class(type(module), ("__call__",))
+    set_unit_state(module, state)
+    _stamp(module, subs)
+    return module
+
+
+def register_fsdp_forward_method(module: Any, method_name: str) -> None:
+    """Gather a sharded module's parameters for ``method_name`` too (e.g. ``generate``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jshard.flax import nnx as jnnx
+      >>> embed = jnnx.fully_shard(nnx.Embed(10, 4, rngs=nnx.Rngs(0)))
+      >>> jnnx.register_fsdp_forward_method(embed, "attend")
+      >>> type(embed)._jshard_methods
+      ('__call__', 'attend')
+    """
+    state = unit_state(module)
+    if state is None:
+        raise ValueError(
+            f"register_fsdp_forward_method got {type(module).__name__}, which is not fully sharded: "
+            "call jshard.flax.nnx.fully_shard(module) first."
+        )
+    cls = type(module)
+    if not callable(getattr(cls._jshard_base, method_name, None)):
+        raise ValueError(f"{describe(module)} has no method `{method_name}` to register.")
+    if method_name not in cls._jshard_methods:
+        module.__class__ = fsdp_class(cls._jshard_base, (*cls._jshard_methods, method_name))
