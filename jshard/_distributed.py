@@ -83,11 +83,20 @@ def _timeouts(heartbeat: int | None, init: int | None, shutdown: int | None) -> 
     return {k: v for k, v in chosen.items() if v is not None}
 
 
+def _check_launcher_env() -> None:
+    missing = [name for name in (NUM_PROCESSES, PROCESS_ID) if _env_int(name) is None]
+    if under_launcher() and missing:
+        raise ValueError(
+            f"{COORDINATOR} is set but {' and '.join(missing)} not: start the processes with "
+            "`python -m jshard.launch`, or set all three (and JSHARD_DEVICES_PER_PROCESS) in each process."
+        )
+
+
 def _launcher_args() -> dict[str, Any]:
     devices = _env_int(DEVICES_PER_PROCESS)
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if devices is not None:
+    if devices is not None:  # simulated CPU devices (the launcher); else the machine's accelerators
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.config.update("jax_num_cpu_devices", devices)
     return {
         "coordinator_address": os.environ[COORDINATOR],
@@ -124,8 +133,10 @@ def initialize(
 ) -> bool:
     """Join the multi-process job this process belongs to, if any; call it before any JAX work.
 
-    - Under ``python -m jshard.launch``: CPU devices with gloo collectives, the launcher's
-      coordinator address, process count and id, and ``--devices-per-proc`` devices.
+    - Under ``python -m jshard.launch`` (``JSHARD_COORDINATOR_ADDRESS``,
+      ``JSHARD_NUM_PROCESSES``, ``JSHARD_PROCESS_ID`` set): that coordinator, count and id;
+      with ``JSHARD_DEVICES_PER_PROCESS`` (the launcher sets it) that many CPU devices
+      with gloo collectives, else the machine's own devices.
     - On a cluster (``distributed=True``, ``JSHARD_DISTRIBUTED=1``, or SLURM / Open MPI /
       TPU-pod / ``JAX_COORDINATOR_ADDRESS`` environment variables): plain
       ``jax.distributed.initialize()``, which detects the rest.
@@ -156,15 +167,12 @@ def initialize(
     """
     if jax.distributed.is_initialized():
         return True
-    joining = under_launcher() or distributed or (distributed is None and _on_cluster())
-    if joining and xla_bridge.backends_are_initialized():
-        raise RuntimeError(_USED_BEFORE)
-    if under_launcher():
-        args = _launcher_args()
-    elif distributed or (distributed is None and _on_cluster()):
-        args = {}
-    else:
+    if not (under_launcher() or distributed or (distributed is None and _on_cluster())):
         return False
+    _check_launcher_env()
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(_USED_BEFORE)
+    args = _launcher_args() if under_launcher() else {}
     args.update(_timeouts(heartbeat_timeout_s, initialization_timeout_s, shutdown_timeout_s))
     jax.distributed.initialize(**args)
     if exit_on_error:
