@@ -61,7 +61,7 @@ def global_batch(local_batch: Any, mesh: Mesh | None = None, dp_mesh_dims: DataP
 
     Example:
       >>> import numpy as np
-      >>> from jshard.data import global_batch
+      >>> from jshard.batch import global_batch
       >>> batch = global_batch({"x": np.ones((16, 3), np.float32)})
       >>> batch["x"].shape, batch["x"].addressable_shards[0].data.shape  # 8 devices: 2 rows each
       ((16, 3), (2, 3))
