@@ -87,7 +87,7 @@ def same_on_all_processes(name: str, description: Description, fix: str) -> None
     client.key_value_set(f"{prefix}/digest/{me}", _digest(text))
     timeout_s = _timeout_s()
     try:
-        client.wait_at_barrier(f"{prefix}/barrier", int(timeout_s * 1000))
+        client.wait_at_barrier(f"jshard/{name}", int(timeout_s * 1000))  # reusable: no state per call
     except jax.errors.JaxRuntimeError:
         arrived = {int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"{prefix}/digest/")}
         missing = sorted(set(range(n)) - arrived)
@@ -97,6 +97,9 @@ def same_on_all_processes(name: str, description: Description, fix: str) -> None
             f"calls), or those processes are stuck or slow. {fix} To wait longer, set {SYNC_TIMEOUT} "
             "(seconds)."
         ) from None
+    if call:  # every process is past the previous call's reads: drop this process's keys of it
+        for kind in ("full", "digest"):
+            client.key_value_delete(f"jshard/{name}/{call - 1}/{kind}/{me}")
     digests = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(f"{prefix}/digest/")}
     if len(set(digests.values())) == 1:
         return
