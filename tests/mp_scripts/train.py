@@ -49,7 +49,12 @@ sharded, opt_state, losses = train(sharded, data)
 print("losses", " ".join(f"{x:.6f}" for x in losses), flush=True)
 
 full = jax.tree.map(np.asarray, js.unshard(sharded))  # gathered to every process
-np.savez(os.path.join(out_dir, f"process{me}.npz"), losses=np.asarray(losses), **_flat(full))
+
+# HSDP: the replicate axis spans the two processes.
+hsdp = js.make_mesh(replicate=2)
+_, _, hsdp_losses = train(shard(host, hsdp), [global_batch(local_rows(b, me, n), hsdp) for b in batches(2)])
+np.savez(os.path.join(out_dir, f"process{me}.npz"), losses=np.asarray(losses), hsdp_losses=np.asarray(hsdp_losses),
+         **_flat(full))
 
 # A full state dict on process 0 only (every process takes part in the gathers).
 state = full_state_dict(sharded, process0_only=True)
