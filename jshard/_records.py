@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jshard._layout import LeafLayout, named_sharding
 from jshard._unit import UnitMeta, is_unit, map_unit_leaves
@@ -20,30 +20,37 @@ from jshard._unit import UnitMeta, is_unit, map_unit_leaves
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One stored leaf: its path without unit nodes, its unit's meta and its layout (``None`` outside units)."""
+    """One stored leaf: its path without unit nodes, its unit's meta and layout (``None`` outside units).
+
+    ``sharding`` is where the stored leaf belongs: its layout's sharding, else the
+    leaf's own (an abstract mesh made concrete with a unit's mesh), else ``None``.
+    """
 
     path: tuple
     meta: UnitMeta | None
     layout: LeafLayout | None
     leaf: Any
+    sharding: Any
 
     @property
     def name(self) -> str:
         return jax.tree_util.keystr(self.path)
 
     @property
-    def sharding(self) -> Any:
-        """Where the stored leaf belongs: the layout's sharding, else the leaf's own (if any)."""
-        if self.layout is None:
-            return getattr(self.leaf, "sharding", None)
-        if self.layout.ignored:
-            return NamedSharding(self.meta.mesh, PartitionSpec())
-        return named_sharding(self.meta.mesh, self.layout, self.meta.axes, self.meta.policy)
-
-    @property
     def shape(self) -> tuple[int, ...]:
         """The original (unpadded) shape."""
         return tuple(np.shape(self.leaf)) if self.layout is None else self.layout.shape
+
+
+def _sharding(meta: UnitMeta | None, layout: LeafLayout | None, leaf: Any, meshes: dict) -> Any:
+    if layout is not None and layout.ignored:
+        return NamedSharding(meta.mesh, PartitionSpec())
+    if layout is not None:
+        return named_sharding(meta.mesh, layout, meta.axes, meta.policy)
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh) and sharding.mesh in meshes:
+        return NamedSharding(meshes[sharding.mesh], sharding.spec, memory_kind=sharding.memory_kind)
+    return sharding
 
 
 def strip_units(tree: Any) -> Any:
@@ -59,8 +66,10 @@ def records(tree: Any) -> list[Record]:
             self.meta, self.layout = meta, layout
 
     facts = jax.tree.leaves(map_unit_leaves(lambda meta, layout, x: _Facts(meta, layout), tree))
+    meshes = {f.meta.mesh.abstract_mesh: f.meta.mesh for f in facts if f.meta is not None}
     paths_leaves = jax.tree.flatten_with_path(strip_units(tree))[0]
-    return [Record(p, f.meta, f.layout, x) for (p, x), f in zip(paths_leaves, facts, strict=True)]
+    return [Record(p, f.meta, f.layout, x, _sharding(f.meta, f.layout, x, meshes))
+            for (p, x), f in zip(paths_leaves, facts, strict=True)]
 
 
 def check_structure(tree: Any, like: Any, what: str) -> list[Any]:
