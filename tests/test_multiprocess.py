@@ -119,6 +119,25 @@ def test_checkpoint_saved_by_two_processes_restores_in_one(trained, reference):
     np.testing.assert_allclose(float(loss), reference[2], rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("mesh_kind", ["fsdp4", "hsdp2x4"])
+def test_jshard_checkpoint_saved_by_two_processes_restores_in_one_on_another_mesh(trained, reference, mesh_kind):
+    from jshard.checkpoint import CheckpointManager
+
+    out, _ = trained
+    mesh = js.make_mesh(devices=jax.devices()[:4]) if mesh_kind == "fsdp4" else js.make_mesh(replicate=2)
+    sharded = mp_model.shard(mp_model.init_params(), mesh)
+    like = {"params": sharded, "opt_state": mp_model.OPTIMIZER.init(sharded), "step": 0}
+    with CheckpointManager(out / "managed") as manager:
+        restored = manager.restore(like)
+    assert int(restored["step"]) == STEPS
+    saved = np.load(out / "process0.npz")
+    for key, got in _flat(js.unshard(restored["params"])).items():
+        np.testing.assert_array_equal(got, saved[key], err_msg=key)
+    batch = global_batch(mp_model.batches(STEPS + 1)[STEPS], mesh)
+    _, _, loss = mp_model.train_step(restored["params"], restored["opt_state"], batch)
+    np.testing.assert_allclose(float(loss), reference[2], rtol=TOL, atol=TOL)
+
+
 def test_processes_that_disagree_get_the_same_clear_error(tmp_path):
     args = ["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "mismatch.py")]
     rc, log, _ = _launch(tmp_path, args, timeout_s=120, env={_consistency.SYNC_TIMEOUT: "5"})

@@ -3,7 +3,8 @@
 Usage: python -m jshard.launch --nproc 2 --devices-per-proc 4 train.py OUT_DIR STEPS
 Each process writes ``OUT_DIR/process{i}.npz`` (losses and the unsharded params it
 gathered), process 0 ``OUT_DIR/state_dict.npz`` (a full state dict made for process 0
-only); all processes save one Orbax checkpoint of the sharded state to ``OUT_DIR/ckpt``.
+only); all processes save the sharded state with plain Orbax to ``OUT_DIR/ckpt`` and with
+``jshard.checkpoint.CheckpointManager`` to ``OUT_DIR/managed``.
 """
 
 import os
@@ -19,6 +20,7 @@ from mp_model import batches, init_params, local_rows, shard, train  # noqa: E40
 
 import jshard as js  # noqa: E402
 from jshard.batch import global_batch  # noqa: E402
+from jshard.checkpoint import CheckpointManager  # noqa: E402
 from jshard.launch import initialize  # noqa: E402
 from jshard.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
 
@@ -68,6 +70,8 @@ reloaded = load_full_state_dict(full, sharded)
 assert _equal(full, js.unshard(reloaded))
 print("full state dict reloaded", flush=True)
 
-with ocp.StandardCheckpointer() as ckptr:
+with ocp.StandardCheckpointer() as ckptr:  # plain Orbax
     ckptr.save(os.path.join(out_dir, "ckpt"), {"params": sharded, "opt_state": opt_state})
+with CheckpointManager(os.path.join(out_dir, "managed")) as manager:  # jshard.checkpoint
+    manager.save(steps, {"params": sharded, "opt_state": opt_state, "step": steps})
 print("saved", flush=True)
