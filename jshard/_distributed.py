@@ -15,9 +15,11 @@ the heartbeat timeout. ``docs/multihost.md`` has the table of timeouts.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import jax
@@ -80,7 +82,12 @@ def _timeouts(heartbeat: int | None, init: int | None, shutdown: int | None) -> 
         "initialization_timeout": init if init is not None else _env_int(INIT_TIMEOUT),
         "shutdown_timeout_seconds": shutdown if shutdown is not None else _env_int(SHUTDOWN_TIMEOUT),
     }
-    return {k: v for k, v in chosen.items() if v is not None}
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    unknown = [k for k, v in chosen.items() if v is not None and k not in accepted]
+    if unknown:  # the names are those of jax 0.10; another release may lack one
+        warnings.warn(f"jax.distributed.initialize of jax {jax.__version__} has no {unknown}; ignoring them.",
+                      stacklevel=3)
+    return {k: v for k, v in chosen.items() if v is not None and k in accepted}
 
 
 def _check_launcher_env() -> None:
