@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -40,6 +41,21 @@ def _check_mesh_shape(axes: MeshAxes, policy: FullyShardPolicy) -> None:
         )
 
 
+@functools.lru_cache(maxsize=1024)
+def _padder(layouts: tuple[LeafLayout, ...], shardings: tuple[Any, ...]):
+    """One compiled pad-and-place per distinct set of layouts (eager calls do not retrace)."""
+    return jax.jit(lambda xs: [pad(x, layout) for x, layout in zip(xs, layouts, strict=True)],
+                   out_shardings=list(shardings))
+
+
+@functools.lru_cache(maxsize=1024)
+def _unpadder(layouts: tuple[LeafLayout, ...], replicated: NamedSharding):
+    def unpad_all(xs):
+        return [unpad(jax.device_put(x, replicated), layout) for x, layout in zip(xs, layouts, strict=True)]
+
+    return jax.jit(unpad_all, out_shardings=[replicated] * len(layouts))
+
+
 def _shard_leaves(leaves: list[Any], layouts: list[LeafLayout], shardings: list[Any]) -> list[Any]:
     """Pad and place leaves; abstract leaves become abstract sharded leaves."""
     out: list[Any] = list(leaves)
@@ -52,10 +68,7 @@ def _shard_leaves(leaves: list[Any], layouts: list[LeafLayout], shardings: list[
         else:
             concrete.append(i)
     if concrete:
-        fn = jax.jit(
-            lambda xs: [pad(x, layouts[i]) for i, x in zip(concrete, xs, strict=True)],
-            out_shardings=[shardings[i] for i in concrete],
-        )
+        fn = _padder(tuple(layouts[i] for i in concrete), tuple(shardings[i] for i in concrete))
         for i, y in zip(concrete, fn([leaves[i] for i in concrete]), strict=True):
             out[i] = y
     return out
@@ -125,15 +138,10 @@ def _gather_global(unit: FSDPUnit) -> Any:
     entries = unit.own_entries()
     own = [i for i, layout in enumerate(meta.layouts) if layout is not None and not layout.ignored]
     replicated = NamedSharding(meta.mesh, PartitionSpec())
-
-    def unpad_all(xs):
-        xs = [jax.device_put(x, replicated) for x in xs]
-        return [unpad(x, meta.layouts[i]) for i, x in zip(own, xs, strict=True)]
-
     if any(isinstance(entries[i], jax.ShapeDtypeStruct) for i in own):
         full = [jax.ShapeDtypeStruct(meta.layouts[i].shape, meta.layouts[i].dtype, sharding=replicated) for i in own]
     else:
-        full = jax.jit(unpad_all, out_shardings=[replicated] * len(own))([entries[i] for i in own])
+        full = _unpadder(tuple(meta.layouts[i] for i in own), replicated)([entries[i] for i in own])
     for i, x in zip(own, full, strict=True):
         entries[i] = x
     for i, layout in enumerate(meta.layouts):
