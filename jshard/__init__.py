@@ -1,6 +1,10 @@
 """jshard: FSDP2-style fully sharded data parallel training for JAX and Flax."""
 
+import importlib as _importlib
+
 from jshard import collectives as collectives
+from jshard import optim as optim
+from jshard import state_dict as state_dict
 from jshard._api import CPUOffloadPolicy as CPUOffloadPolicy
 from jshard._api import DataParallelMeshDims as DataParallelMeshDims
 from jshard._api import FullyShardPolicy as FullyShardPolicy
@@ -15,6 +19,8 @@ from jshard._offload import offload_optimizer as offload_optimizer
 from jshard._scan import scan as scan
 from jshard._step import value_and_grad as value_and_grad
 from jshard._unit import FSDPUnit as FSDPUnit
+from jshard.batch import global_batch as global_batch
+from jshard.optim import shard_optimizer as shard_optimizer
 
 __version__ = "0.1.0"
 
@@ -25,13 +31,29 @@ __all__ = [
     "FullyShardPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "checkpoint",
     "collectives",
+    "flax",
     "fully_shard",
+    "global_batch",
     "int8_all_gather",
+    "launch",
     "make_mesh",
     "offload_optimizer",
+    "optim",
+    "report",
     "reshard",
     "scan",
+    "shard_optimizer",
+    "state_dict",
     "unshard",
     "value_and_grad",
 ]
+
+_LAZY = ("checkpoint", "report", "launch", "flax")  # they import Orbax, Flax or the launcher: on first use
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return _importlib.import_module(f"jshard.{name}")
+    raise AttributeError(f"module 'jshard' has no attribute {name!r}")
