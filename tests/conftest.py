@@ -8,3 +8,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Scripts that the multi-process tests run in child processes; not test modules.
+collect_ignore_glob = ["mp_scripts/*"]
