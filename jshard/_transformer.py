@@ -38,6 +38,26 @@ SIZES = {
 }
 
 
+class LayerNorm(nn.Module):
+    """Layer norm computed in float32 whatever the input dtype, returned in the input dtype.
+
+    (Flax's ``nn.LayerNorm`` promotes bf16 to float32 implicitly, which strict dtype
+    promotion refuses.)
+    """
+
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
 class Block(nn.Module):
     """Pre-norm block: causal self-attention, then a GELU MLP, each with a residual."""
 
@@ -47,7 +67,7 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         batch, seq, _ = x.shape
-        h = nn.LayerNorm(name="ln1")(x)
+        h = LayerNorm(name="ln1")(x)
         qkv = nn.Dense(3 * c.d_model, use_bias=False, name="qkv")(h)
         q, k, v = jnp.split(qkv.reshape(batch, seq, 3 * c.heads, c.d_model // c.heads), 3, axis=2)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
@@ -55,7 +75,7 @@ class Block(nn.Module):
         scores = jnp.where(mask, scores, jnp.asarray(-1e9, scores.dtype))
         attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
         x = x + nn.Dense(c.d_model, use_bias=False, name="proj")(attn.reshape(batch, seq, c.d_model))
-        h = nn.LayerNorm(name="ln2")(x)
+        h = LayerNorm(name="ln2")(x)
         h = nn.Dense(c.d_ff, name="up")(h)
         return x + nn.Dense(c.d_model, name="down")(jax.nn.gelu(h))
 
@@ -69,7 +89,7 @@ class Embed(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         pos = self.param("pos", nn.initializers.normal(0.02), (c.seq_len, c.d_model))
-        return nn.Embed(c.vocab, c.d_model, name="tokens")(tokens) + pos[: tokens.shape[1]].astype(jnp.float32)
+        return nn.Embed(c.vocab, c.d_model, name="tokens")(tokens) + pos[: tokens.shape[1]]
 
 
 class Head(nn.Module):
@@ -79,7 +99,7 @@ class Head(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Dense(self.config.vocab, use_bias=False, name="out")(nn.LayerNorm(name="ln")(x))
+        return nn.Dense(self.config.vocab, use_bias=False, name="out")(LayerNorm(name="ln")(x))
 
 
 def init_params(config: TransformerConfig, key: jax.Array) -> dict[str, Any]:
@@ -113,16 +133,49 @@ def lax_scan_blocks(body: Callable[[Any, Any], tuple[Any, Any]], h: Any, blocks:
     return jax.lax.scan(body, h, blocks)
 
 
-def logits_fn(params: Any, tokens: jax.Array, config: TransformerConfig, run_blocks: RunBlocks) -> jax.Array:
+def recompute_in_backward(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``fn(h, layer)`` keeping only its inputs for backward, which recomputes it.
+
+    What ``jax.checkpoint`` does, but as a ``custom_vjp`` so that an enclosing remat
+    policy cannot override it. [Note: nested remat] ``js.scan`` (and the step) wrap the
+    body in ``jax.checkpoint(policy=...)`` that saves everything but gathered
+    parameters, and in JAX the outer policy decides for every equation of a nested
+    ``jax.checkpoint`` too: a block under ``jax.checkpoint`` inside ``js.scan`` still
+    saves all its activations (attention scores included). The inputs this keeps are the
+    carry and the gathered layer, which jshard's policy re-gathers instead of saving.
+    """
+
+    @jax.custom_vjp
+    def wrapped(h, layer):
+        return fn(h, layer)
+
+    def fwd(h, layer):
+        return fn(h, layer), (h, layer)
+
+    def bwd(residuals, ct):
+        return jax.vjp(fn, *residuals)[1](ct)
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped
+
+
+def logits_fn(params: Any, tokens: jax.Array, config: TransformerConfig, run_blocks: RunBlocks,
+              remat: str = "checkpoint") -> jax.Array:
     """Next-token logits; ``run_blocks(body, h, params["blocks"])`` runs the stack.
 
-    Each block is rematerialised (``jax.checkpoint``): backward recomputes it from its input.
+    Each block is rematerialised: backward recomputes it from its input, with
+    ``jax.checkpoint`` (``remat="checkpoint"``, the plain-JAX way) or with
+    :func:`recompute_in_backward` (``"custom_vjp"``, which ``js.scan`` needs).
     """
     block = Block(config)
 
-    @jax.checkpoint
+    def apply(h, layer):
+        return block.apply({"params": layer}, h)
+
+    apply = jax.checkpoint(apply) if remat == "checkpoint" else recompute_in_backward(apply)
+
     def body(h, layer):
-        return block.apply({"params": layer}, h), None
+        return apply(h, layer), None
 
     h = Embed(config).apply({"params": params["embed"]}, tokens)
     h = h.astype(jax.tree.leaves(params["head"])[0].dtype)
@@ -130,9 +183,10 @@ def logits_fn(params: Any, tokens: jax.Array, config: TransformerConfig, run_blo
     return Head(config).apply({"params": params["head"]}, h)
 
 
-def lm_loss(params: Any, tokens: jax.Array, config: TransformerConfig, run_blocks: RunBlocks) -> jax.Array:
+def lm_loss(params: Any, tokens: jax.Array, config: TransformerConfig, run_blocks: RunBlocks,
+            remat: str = "checkpoint") -> jax.Array:
     """Mean next-character cross-entropy of ``tokens`` (``[batch, seq_len + 1]``), in float32."""
-    logits = logits_fn(params, tokens[:, :-1], config, run_blocks).astype(jnp.float32)
+    logits = logits_fn(params, tokens[:, :-1], config, run_blocks, remat).astype(jnp.float32)
     targets = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
@@ -150,15 +204,32 @@ def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any 
     return js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(**kwargs))
 
 
-def init_opt_state(optimizer: Any, params: Any, mesh: Any) -> Any:
-    """``optimizer.init(params)`` under ``mesh``, leaves that follow no parameter (step counts) replicated.
+def plain_train_step(config: TransformerConfig, optimizer: Any) -> Callable[..., Any]:
+    """The same step without jshard: ``jax.value_and_grad`` of the loss over ``lax.scan``.
 
-    Outside a mesh context, ``jit`` puts the step count on one device, which a step over
-    arrays on the whole mesh (explicit axes especially) then refuses.
+    Its parallelism is whatever the arguments' shardings make ``jit`` do (replicated
+    parameters: data parallel; parameters sharded by hand: the GSPMD FSDP recipe).
+    """
+    import optax
+
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lm_loss)(params, tokens, config, lax_scan_blocks)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def init_opt_state(optimizer: Any, params: Any, mesh: Any) -> Any:
+    """``optimizer.init(params)``, leaves that follow no parameter (step counts) replicated on ``mesh``.
+
+    Run eagerly, so the state keeps each parameter's sharding and memory kind (offloaded
+    state stays in host memory); a count made on one device would be refused by a step
+    over the whole mesh.
     """
     replicated = NamedSharding(mesh, PartitionSpec())
     with jax.set_mesh(mesh):
-        state = jax.jit(optimizer.init)(params)
+        state = optimizer.init(params)
     return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state)
 
 
@@ -172,7 +243,7 @@ def jshard_train_step(config: TransformerConfig, optimizer: Any) -> Callable[...
     import jshard as js
 
     def loss_fn(params, tokens):
-        return lm_loss(js.unshard(params), tokens, config, js.scan)
+        return lm_loss(js.unshard(params), tokens, config, js.scan, remat="custom_vjp")
 
     grad_fn = js.value_and_grad(loss_fn, unshard_params=False)
 
