@@ -1,0 +1,159 @@
+"""Replicated data parallel vs the hand-written GSPMD FSDP recipe vs jshard, side by side.
+
+``python -m benchmarks.compare`` (``--quick`` for a smoke run) trains the same stacked
+transformer (``jshard/_transformer.py``) with the three steps of
+``benchmarks/variants.py`` on meshes over ``jax.devices()[:n]`` and reports per device:
+peak memory (``memory_analysis``: argument + output + temp − alias), collective bytes
+sent per step by kind (compiled HLO, loop trip counts included, ring model), and the
+median step time over interleaved runs. It prints a table, writes
+``results/compare.json`` and plots ``results/compare.png``.
+
+Step times on simulated CPU devices share the machine's cores: they compare the
+variants with each other, not with a real accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+
+from benchmarks.variants import VARIANTS, model_inputs, prepare  # noqa: E402
+from jshard import _transformer as T  # noqa: E402
+from jshard._report_hlo import step_collectives, wire_bytes_by_kind  # noqa: E402
+from jshard.report import Memory  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def _measure_compiled(prepared) -> dict[str, Any]:
+    lowered = prepared.step.lower(*prepared.args)
+    compiled = lowered.compile()
+    memory = Memory.from_compiled(compiled)
+    by_kind = wire_bytes_by_kind(step_collectives(compiled.as_text(), lowered.as_text()))
+    return {
+        "peak_bytes": memory.peak,
+        "argument_bytes": memory.argument,
+        "temp_bytes": memory.temp,
+        "output_bytes": memory.output,
+        "collective_bytes": {k: v for k, v in by_kind.items() if v},
+        "collective_bytes_total": sum(by_kind.values()),
+        "compiled": compiled,
+    }
+
+
+def _time_interleaved(compiled: dict[str, Any], args: dict[str, tuple], rounds: int) -> dict[str, float]:
+    """Median seconds per step, the variants taking turns within each round."""
+    for name, fn in compiled.items():
+        jax.block_until_ready(fn(*args[name]))  # warm up
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for _ in range(rounds):
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args[name]))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run_case(size: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
+    """Every variant on ``size`` over the first ``n`` devices."""
+    config = T.SIZES[size]
+    devices = jax.devices()[:n]
+    results, compiled, args = {}, {}, {}
+    params, tokens = model_inputs(config, batch)
+    for variant in VARIANTS:
+        prepared = prepare(variant, config, devices, params, tokens)
+        results[variant] = _measure_compiled(prepared)
+        compiled[variant] = results[variant].pop("compiled")
+        args[variant] = prepared.args
+    for variant, seconds in _time_interleaved(compiled, args, rounds).items():
+        results[variant]["step_seconds"] = seconds
+    params = T.count_params(params)
+    for variant in VARIANTS:
+        base = results["gspmd"]
+        results[variant]["vs_gspmd"] = {
+            "peak": results[variant]["peak_bytes"] / base["peak_bytes"],
+            "collective_bytes": _ratio(results[variant]["collective_bytes_total"], base["collective_bytes_total"]),
+            "step_time": results[variant]["step_seconds"] / base["step_seconds"],
+        }
+    return {"size": size, "params": params, "devices": n, "batch": batch, "variants": results}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def table(cases: list[dict[str, Any]]) -> str:
+    """A Markdown table of every case (ratios are to the GSPMD recipe)."""
+    head = ("| size | params | devices | variant | peak MiB/device | collective MiB/step (AG / RS / AR) "
+            "| step ms (median) | peak vs gspmd | comm vs gspmd | time vs gspmd |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for case in cases:
+        for variant, r in case["variants"].items():
+            c = r["collective_bytes"]
+            comm = " / ".join(f"{c.get(k, 0) / 2**20:.2f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
+            v = r["vs_gspmd"]
+            lines.append(
+                f"| {case['size']} | {case['params'] / 1e6:.2f}M | {case['devices']} | {variant} "
+                f"| {r['peak_bytes'] / 2**20:.2f} | {comm} | {r['step_seconds'] * 1e3:.1f} "
+                f"| {v['peak']:.2f} | {_fmt_ratio(v['collective_bytes'])} | {v['step_time']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the comparison; returns what it writes to JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 devices, few rounds")
+    parser.add_argument("--sizes", nargs="+", default=None, help="model sizes (default: tiny small medium)")
+    parser.add_argument("--devices", type=int, nargs="+", default=None, help="device counts (default: 1 2 4 8)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, quick 3)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for compare.json / compare.png")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or (["tiny"] if args.quick else ["tiny", "small", "medium"])
+    counts = args.devices or ([8] if args.quick else [1, 2, 4, 8])
+    rounds = args.rounds or (3 if args.quick else 15)
+    cases = []
+    print("\n".join(table([]).splitlines()), flush=True)
+    for size in sizes:
+        for n in counts:
+            cases.append(run_case(size, n, args.batch, rounds))
+            print("\n".join(table(cases[-1:]).splitlines()[2:]), flush=True)
+    out = {
+        "quick": args.quick,
+        "rounds": rounds,
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cases": cases,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compare.json").write_text(json.dumps(out, indent=1))
+    from benchmarks.plot import plot
+
+    print(f"wrote {args.out / 'compare.json'} and {plot(out, args.out / 'compare.png')}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The three training steps compared on one model and one mesh.
+
+- ``replicated``: data parallel, parameters and optimizer state on every device; ``jit``
+  all-reduces the gradients.
+- ``gspmd``: the FSDP recipe a JAX user writes by hand: every parameter annotated with a
+  ``NamedSharding`` over ``'fsdp'`` on dim 0 of each layer weight (dim 1 of a stacked
+  leaf), layers under ``lax.scan`` with ``jax.checkpoint``, and ``jit`` (GSPMD) inserts
+  the collectives.
+- ``jshard``: ``js.fully_shard`` with ``FullyShardPolicy(scan_axis=0)`` for the stack
+  inside a root unit, ``js.scan`` and ``js.value_and_grad(unshard_params=False)``.
+
+All three run the same loss (``jshard/_transformer.py``, each block under
+``jax.checkpoint``) and the same AdamW update, on the same devices and global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import jshard as js
+from jshard import _transformer as T
+
+VARIANTS = ("replicated", "gspmd", "jshard")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A jitted step and the arguments it is run with."""
+
+    step: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+def _gspmd_spec(path: Any, x: Any) -> PartitionSpec:
+    """Dim 0 of each layer's weight: dim 1 of a stacked leaf, dim 0 of the others."""
+    stacked = any(getattr(k, "key", None) == "blocks" for k in path)
+    if stacked:
+        return PartitionSpec(None, "fsdp") if x.ndim >= 2 else PartitionSpec()
+    return PartitionSpec("fsdp") if x.ndim >= 1 else PartitionSpec()
+
+
+def _with_shardings(tree: Any, specs: Any, mesh: Any) -> tuple[Any, Any]:
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return jax.device_put(tree, shardings), shardings
+
+
+def _plain(config, params, tokens, devices, optimizer, sharded: bool) -> Prepared:
+    mesh = jax.make_mesh((len(devices),), ("fsdp",), devices=devices, axis_types=(AxisType.Auto,))
+    if sharded:
+        specs = jax.tree_util.tree_map_with_path(_gspmd_spec, params)
+    else:
+        specs = jax.tree.map(lambda x: PartitionSpec(), params)
+    params, param_sh = _with_shardings(params, specs, mesh)
+    opt_state = T.init_opt_state(optimizer, params, mesh)
+    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    tokens_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
+    step = jax.jit(
+        T.plain_train_step(config, optimizer),
+        in_shardings=(param_sh, opt_sh, tokens_sh),
+        out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
+    )
+    return Prepared(step, (params, opt_state, jax.device_put(tokens, tokens_sh)))
+
+
+def _jshard(config, params, tokens, devices, optimizer) -> Prepared:
+    mesh = js.make_mesh(devices=devices)
+    sharded = T.shard_lm(params, mesh)
+    opt_state = T.init_opt_state(optimizer, sharded, mesh)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("fsdp")))
+    return Prepared(jax.jit(T.jshard_train_step(config, optimizer)), (sharded, opt_state, tokens))
+
+
+def model_inputs(config: T.TransformerConfig, batch: int, seed: int = 0) -> tuple[Any, jax.Array]:
+    """Initial parameters and one batch of tokens, the same for every variant."""
+    key_params, key_tokens = jax.random.split(jax.random.key(seed))
+    params = jax.jit(functools.partial(T.init_params, config))(key_params)
+    tokens = jax.random.randint(key_tokens, (batch, config.seq_len + 1), 0, config.vocab, jnp.int32)
+    return params, tokens
+
+
+def prepare(variant: str, config: T.TransformerConfig, devices: list[Any], params: Any, tokens: jax.Array) -> Prepared:
+    """The jitted step of ``variant`` and its arguments, placed on ``devices``."""
+    optimizer = optax.adamw(1e-3)
+    if variant == "jshard":
+        return _jshard(config, params, tokens, devices, optimizer)
+    if variant in ("replicated", "gspmd"):
+        return _plain(config, params, tokens, devices, optimizer, sharded=variant == "gspmd")
+    raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
