@@ -73,7 +73,8 @@ def _plain(config, params, tokens, devices, optimizer, sharded: bool) -> Prepare
 def _jshard(config, params, tokens, devices, optimizer) -> Prepared:
     mesh = js.make_mesh(devices=devices)
     sharded = T.shard_lm(params, mesh)
-    opt_state = T.init_opt_state(optimizer, sharded, mesh)
+    optimizer = js.shard_optimizer(optimizer)
+    opt_state = optimizer.init(sharded)
     tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("fsdp")))
     return Prepared(jax.jit(T.jshard_train_step(config, optimizer)), (sharded, opt_state, tokens))
 

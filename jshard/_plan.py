@@ -47,7 +47,7 @@ def plan_in_process(size: str, devices: int, replicate: int, batch: int | None, 
     mesh = js.make_mesh(replicate=replicate, devices=jax.devices()[:devices])
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if mixed_precision else None
     params = T.shard_lm(T.abstract_params(config), mesh, mp)
-    optimizer = optax.adamw(1e-4)
+    optimizer = js.shard_optimizer(optax.adamw(1e-4))
     opt_state = _concrete(jax.eval_shape(optimizer.init, params), mesh)
     tokens = jax.ShapeDtypeStruct(
         (batch or devices, config.seq_len + 1), jnp.int32,

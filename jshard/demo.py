@@ -99,10 +99,7 @@ def _policies(args: argparse.Namespace) -> tuple[Any, Any]:
 def _optimizer(args: argparse.Namespace) -> Any:
     import optax
 
-    import jshard as js
-
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.01))
-    return js.offload_optimizer(tx, compute="device") if args.offload else tx
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.lr, weight_decay=0.01))
 
 
 def _replicated_memory(config: Any, optimizer: Any, mesh: Any, tokens: Any) -> Any:
@@ -221,16 +218,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     batch = args.batch or max(16, devices)
     batch = devices * math.ceil(batch / devices)
     mp, offload = _policies(args)
-    optimizer = _optimizer(args)
+    tx = _optimizer(args)
+    optimizer = js.shard_optimizer(tx)  # Optax on the sharded (and, with --offload, host-resident) state
     full = jax.jit(functools.partial(T.init_params, config))(jax.random.key(args.seed))
     params = T.shard_lm(full, mesh, mp, offload)
-    opt_state = T.init_opt_state(optimizer, params, mesh)
+    opt_state = optimizer.init(params)
     data_sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
     batches = _batches(ids, batch, config.seq_len, args.seed)
     first = jax.device_put(next(batches), data_sharding)
     step = jax.jit(T.jshard_train_step(config, optimizer)).lower(params, opt_state, first).compile()
     sharded_memory = Memory.from_compiled(step)
-    replicated_memory = _replicated_memory(config, optimizer, mesh, first)
+    replicated_memory = _replicated_memory(config, tx, mesh, first)
 
     print(f"jshard demo: {T.count_params(params) / 1e6:.2f}M-parameter transformer ({args.size}), "
           f"{len(text):,} characters of text, {devices} {jax.devices()[0].platform.upper()} devices, "
