@@ -27,6 +27,8 @@ class Held:
 
 @dataclasses.dataclass
 class StepContext:
+    """``gathered``: ``id(module) -> Held`` for the modules holding gathered parameters."""
+
     root: Any
     gathered: dict[int, Held] = dataclasses.field(default_factory=dict)
 
@@ -41,6 +43,10 @@ class StepContext:
 
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("jshard_nnx_step", default=None)
+
+
+def active() -> StepContext | None:
+    return _CURRENT.get()
 
 
 def current(module: Any) -> StepContext:

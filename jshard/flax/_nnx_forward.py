@@ -33,6 +33,58 @@ OUTSIDE_STEP = (
 )
 
 
+READ_SHARD = (
+    "Param `{path}` of a fully sharded module was read inside the step while its module's "
+    "parameters are not gathered, so it holds this device's shard, not the parameter. Read "
+    "parameters inside the module's forward, register other methods that use them with "
+    "jshard.flax.nnx.register_fsdp_forward_method(module, name), or call module.unshard() first."
+)
+
+
+class GuardedParam:
+    """Mixed into the class of every sharded Param: inside the step, refuses to hand out a
+    shard where the parameter is expected (its module's parameters are not gathered).
+
+    A shard is recognised by its shape (metadata ``jshard_shards``: the local shard's shape
+    and, for stacked leaves, one layer's), which survives ``nnx.scan`` / ``nnx.remat``
+    copying the Variable; a leaf whose shard has its full shape is not checked.
+    """
+
+    __slots__ = ()
+
+    def get_value(self, **kwargs: Any) -> Any:
+        view = _context.current()
+        if view is not None and not view.pregathered and ctx_lib.active() is not None:
+            if tuple(getattr(self.get_raw_value(), "shape", ())) in self.get_metadata().get("jshard_shards", ()):
+                raise RuntimeError(READ_SHARD.format(path=self.get_metadata().get("jshard_path", "?")))
+        return super().get_value(**kwargs)
+
+
+def shard_shapes(layout: Any, axes: Any, scan_axis: int | None) -> tuple[tuple[int, ...], ...]:
+    """Local shapes of a leaf's shard (and of one layer of it) that differ from the full shapes."""
+    if not layout.sharded or layout.ignored:
+        return ()
+    shard = list(layout.padded_shape)
+    shard[layout.dim] //= axes.shard_size
+    shapes = {(tuple(shard), layout.shape)}
+    if scan_axis == 0:
+        shapes.add((tuple(shard[1:]), layout.shape[1:]))
+    return tuple(sorted(s for s, full in shapes if s != full))
+
+
+_GUARDED: dict[type, type] = {}
+
+
+def guarded_class(cls: type) -> type:
+    """``Sharded<Name>(GuardedParam, Name)`` for a Param class (cached)."""
+    if issubclass(cls, GuardedParam):
+        return cls
+    if cls not in _GUARDED:
+        namespace = {"__slots__": (), "__module__": "jshard.flax.nnx"}
+        _GUARDED[cls] = type(f"Sharded{cls.__name__}", (GuardedParam, cls), namespace)
+    return _GUARDED[cls]
+
+
 def _cast_floats(tree: Any, dtype: Any) -> Any:
     if dtype is None:
         return tree
@@ -59,7 +111,7 @@ def gather(module: Any, view: Any) -> list[tuple[Any, Any]]:
     own = [(i, p) for i, ((_, is_sub), p) in enumerate(zip(state.entries, params, strict=True)) if not is_sub]
     if view.pregathered or not own:
         return []
-    shards = [p.get_value() for _, p in own]
+    shards = [p.get_raw_value() for _, p in own]
     layouts = [meta.layouts[i] for i, _ in own]
     if any(_is_slice(x, layout, meta.policy.scan_axis) for x, layout in zip(shards, layouts, strict=True)):
         full = [
@@ -68,7 +120,7 @@ def gather(module: Any, view: Any) -> list[tuple[Any, Any]]:
         ]
     else:
         pairs = zip(state.entries, params, strict=True)
-        values = [FSDPUnit(None, None) if is_sub else p.get_value() for (_, is_sub), p in pairs]
+        values = [FSDPUnit(None, None) if is_sub else p.get_raw_value() for (_, is_sub), p in pairs]
         unit = FSDPUnit(nest([(path, x) for (path, _), x in zip(state.entries, values, strict=True)]), meta)
         flat = jax.tree.leaves(unshard(unit), is_leaf=is_unit)
         full = [flat[i] for i, _ in own]
@@ -111,19 +163,27 @@ def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
     held = step.gathered.get(id(module))
     if held is not None and held.kind != "prefetch":
         return method(module, *args, **kwargs)
-    for uid in state.forward_prefetch:
-        _prefetch(step, step.module_by_uid(uid, module), view)
+
+    def prefetch() -> None:
+        for uid in state.forward_prefetch:
+            target = step.module_by_uid(uid, module)
+            if id(target) not in step.gathered:
+                step.gathered[id(target)] = ctx_lib.Held("prefetch", gather(target, view))
+
     if held is None and _is_stacked_slice(module) and _resolved(module, view) is not False:
+        prefetch()  # outside the checkpoint: the targets live in this trace
         return nnx.remat(lambda m: _gathered_call(m, method, args, kwargs, step, view), policy=REMAT_POLICY)(module)
-    return _gathered_call(module, method, args, kwargs, step, view)
+    return _gathered_call(module, method, args, kwargs, step, view, prefetch)
 
 
-def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: Any, view: Any) -> Any:
+def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: Any, view: Any, prefetch=None) -> Any:
     held = step.gathered.get(id(module))
     if held is None:
         held = step.gathered[id(module)] = ctx_lib.Held("forward", gather(module, view))
     held.kind = "forward"
     try:
+        if prefetch is not None:
+            prefetch()
         mp = unit_state(module).meta.policy.mp_policy
         if mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -136,13 +196,10 @@ def _is_stacked_slice(module: Any) -> bool:
     state = unit_state(module)
     pairs = zip(state.entries, state.meta.layouts, own_variables(module), strict=True)
     return any(
-        _is_slice(p.get_value(), layout, state.meta.policy.scan_axis) for (_, is_sub), layout, p in pairs if not is_sub
+        _is_slice(p.get_raw_value(), layout, state.meta.policy.scan_axis)
+        for (_, is_sub), layout, p in pairs
+        if not is_sub
     )
-
-
-def _prefetch(step: ctx_lib.StepContext, target: Any, view: Any) -> None:
-    if id(target) not in step.gathered:
-        step.gathered[id(target)] = ctx_lib.Held("prefetch", gather(target, view))
 
 
 def forward_method(name: str) -> Callable[..., Any]:

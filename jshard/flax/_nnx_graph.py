@@ -132,7 +132,7 @@ def build_unit(module: Any) -> FSDPUnit:
     """The module's unit from the current values of its Params (recursively)."""
     state = unit_state(module)
     items = [
-        (path, build_unit(node) if is_sub else node.get_value())
+        (path, build_unit(node) if is_sub else node.get_raw_value())
         for (path, is_sub), node in zip(state.entries, own_variables(module), strict=True)
     ]
     return FSDPUnit(nest(items), state.meta)

@@ -12,7 +12,7 @@ from jshard._api import FullyShardPolicy
 from jshard._fully_shard import fully_shard as _fully_shard_tree
 from jshard._mesh import make_mesh
 from jshard._unit import is_unit
-from jshard.flax._nnx_forward import forward_method
+from jshard.flax._nnx_forward import GuardedParam, forward_method, guarded_class, shard_shapes
 from jshard.flax._nnx_graph import (
     Path,
     UnitState,
@@ -96,12 +96,22 @@ def _check_can_shard(module: Any) -> None:
         )
 
 
+def _guard(param: Any, layout: Any, meta: Any) -> None:
+    shapes = shard_shapes(layout, meta.axes, meta.policy.scan_axis)
+    if shapes:
+        param.__class__ = guarded_class(type(param))
+        param.set_metadata(jshard_shards=shapes)
+
+
 def _stamp(module: Any, subs: list[tuple[Path, Any]]) -> None:
     """Record, for later checks and messages, who owns what."""
     owner = describe(module)
     for path, node in walk(module):
         if isinstance(node, nnx.Module) and unit_state(node) is None:
             object.__setattr__(node, "_jshard_member", (owner, format_path(path)))
+    for path, node in walk(module, stop_at_units=False):
+        if isinstance(node, GuardedParam):
+            node.set_metadata(jshard_path=format_path(path))
     for _, sub in subs:
         set_unit_state(sub, dataclasses.replace(unit_state(sub), parent=owner))
     for path, node in nnx.iter_modules(module):
@@ -156,9 +166,10 @@ def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
         raise ValueError(f"{describe(module)} has no nnx.Param to shard: shard a module that owns parameters.")
     unit = _fully_shard_tree(nest(items), make_mesh() if mesh is None else mesh, policy)
     entries = tree_entries(unit.tree)
-    for path, x in entries:
+    for (path, x), layout in zip(entries, unit.meta.layouts, strict=True):
         if not is_unit(x):
             get_path(module, path).set_value(x)
+            _guard(get_path(module, path), layout, unit.meta)
     state = UnitState(
         meta=unit.meta,
         entries=tuple((path, is_unit(x)) for path, x in entries),

@@ -149,7 +149,8 @@ def value_and_grad(
 
         def inner(local_units, local_batch, local_rest, *local_args):
             by_path = dict(zip(unit_paths, jax.tree.leaves(local_units), strict=True))
-            model = nnx.merge(graphdef, _with_values(params, param_paths, by_path), local_rest)
+            fresh_rest = jax.tree.map(lambda x: x, local_rest)  # Variables of this trace, so the model can update them
+            model = nnx.merge(graphdef, _with_values(params, param_paths, by_path), fresh_rest)
             with ctx_lib.step_context(model):
                 out = loss_fn(model, local_batch, *local_args)
             loss, aux = out if has_aux else (out, None)
