@@ -64,6 +64,10 @@ class FSDPUnit:
     def __getitem__(self, key):
         return self.tree[key]
 
+    def __contains__(self, key) -> bool:
+        """``key in unit`` is ``key in unit.tree`` (Flax's ``TrainState`` asks this of params)."""
+        return key in self.tree
+
     def __repr__(self) -> str:
         return f"FSDPUnit({self.tree!r})"
 
