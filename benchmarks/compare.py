@@ -31,7 +31,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
-from benchmarks.variants import VARIANTS, model_inputs, prepare  # noqa: E402
+from benchmarks.variants import EXTRA_VARIANTS, VARIANTS, model_inputs, prepare  # noqa: E402
 from jshard import _transformer as T  # noqa: E402
 from jshard._report_hlo import step_collectives, wire_bytes_by_kind  # noqa: E402
 from jshard.report import Memory  # noqa: E402
@@ -68,13 +68,13 @@ def _time_interleaved(compiled: dict[str, Any], args: dict[str, tuple], rounds: 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def run_case(size: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
+def run_case(size: str, n: int, batch: int, rounds: int, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Every variant on ``size`` over the first ``n`` devices."""
     config = T.SIZES[size]
     devices = jax.devices()[:n]
     results, compiled, args = {}, {}, {}
     params, tokens = model_inputs(config, batch)
-    for variant in VARIANTS:
+    for variant in variants:
         prepared = prepare(variant, config, devices, params, tokens)
         results[variant] = _measure_compiled(prepared)
         compiled[variant] = results[variant].pop("compiled")
@@ -82,7 +82,7 @@ def run_case(size: str, n: int, batch: int, rounds: int) -> dict[str, Any]:
     for variant, seconds in _time_interleaved(compiled, args, rounds).items():
         results[variant]["step_seconds"] = seconds
     params = T.count_params(params)
-    for variant in VARIANTS:
+    for variant in variants:
         base = results["gspmd"]
         results[variant]["vs_gspmd"] = {
             "peak": results[variant]["peak_bytes"] / base["peak_bytes"],
@@ -126,16 +126,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--devices", type=int, nargs="+", default=None, help="device counts (default: 1 2 4 8)")
     parser.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 15, quick 3)")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help=f"default: {' '.join(VARIANTS + EXTRA_VARIANTS)} (quick: {' '.join(VARIANTS)})")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for compare.json / compare.png")
     args = parser.parse_args(argv)
     sizes = args.sizes or (["tiny"] if args.quick else ["tiny", "small", "medium"])
     counts = args.devices or ([8] if args.quick else [1, 2, 4, 8])
     rounds = args.rounds or (3 if args.quick else 15)
+    variants = tuple(args.variants or (VARIANTS if args.quick else VARIANTS + EXTRA_VARIANTS))
     cases = []
     print("\n".join(table([]).splitlines()), flush=True)
     for size in sizes:
         for n in counts:
-            cases.append(run_case(size, n, args.batch, rounds))
+            cases.append(run_case(size, n, args.batch, rounds, variants))
             print("\n".join(table(cases[-1:]).splitlines()[2:]), flush=True)
     out = {
         "quick": args.quick,

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"replicated": "tab:gray", "gspmd": "tab:blue", "jshard": "tab:orange"}
+COLORS = {"replicated": "tab:gray", "gspmd": "tab:blue", "gspmd_constrained": "tab:green", "jshard": "tab:orange"}
 
 
 def _series(cases: list[dict[str, Any]], size: str, variant: str, key: str) -> tuple[list[int], list[float]]:
@@ -26,6 +26,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
     for col, size in enumerate(sizes):
         params = next(c["params"] for c in cases if c["size"] == size)
         for variant, color in COLORS.items():
+            if variant not in cases[0]["variants"]:
+                continue
             x, peak = _series(cases, size, variant, "peak_bytes")
             _, secs = _series(cases, size, variant, "step_seconds")
             axes[0][col].plot(x, [p / 2**20 for p in peak], "o-", color=color, label=variant)

@@ -6,11 +6,17 @@
   ``NamedSharding`` over ``'fsdp'`` on dim 0 of each layer weight (dim 1 of a stacked
   leaf), layers under ``lax.scan`` with ``jax.checkpoint``, and ``jit`` (GSPMD) inserts
   the collectives.
+- ``gspmd_constrained`` (full runs only): the same recipe with each block's input and
+  output constrained to batch sharding (``with_sharding_constraint``), which a careful
+  user adds when GSPMD reshards activations instead of gathering parameters.
 - ``jshard``: ``js.fully_shard`` with ``FullyShardPolicy(scan_axis=0)`` for the stack
   inside a root unit, ``js.scan`` and ``js.value_and_grad(unshard_params=False)``.
 
-All three run the same loss (``jshard/_transformer.py``, each block under
-``jax.checkpoint``) and the same AdamW update, on the same devices and global batch.
+All of them run the same loss (``jshard/_transformer.py``) and the same AdamW update,
+on the same devices and global batch. Each block is recomputed in backward: with
+``jax.checkpoint`` under ``lax.scan``, and with a ``custom_vjp`` under ``js.scan``, whose
+remat policy would override a ``jax.checkpoint`` in its body (see
+``recompute_in_backward``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import jshard as js
 from jshard import _transformer as T
 
 VARIANTS = ("replicated", "gspmd", "jshard")
+EXTRA_VARIANTS = ("gspmd_constrained",)
 
 
 @dataclasses.dataclass
@@ -52,7 +59,21 @@ def _with_shardings(tree: Any, specs: Any, mesh: Any) -> tuple[Any, Any]:
     return jax.device_put(tree, shardings), shardings
 
 
-def _plain(config, params, tokens, devices, optimizer, sharded: bool) -> Prepared:
+def _batch_sharded_blocks(mesh: Any) -> T.RunBlocks:
+    """``lax.scan`` over blocks with each block's input and output constrained to batch sharding."""
+    batch = NamedSharding(mesh, PartitionSpec("fsdp"))
+
+    def run(body, h, blocks):
+        def constrained(h, layer):
+            out, y = body(jax.lax.with_sharding_constraint(h, batch), layer)
+            return jax.lax.with_sharding_constraint(out, batch), y
+
+        return jax.lax.scan(constrained, h, blocks)
+
+    return run
+
+
+def _plain(config, params, tokens, devices, optimizer, sharded: bool, constrained: bool = False) -> Prepared:
     mesh = jax.make_mesh((len(devices),), ("fsdp",), devices=devices, axis_types=(AxisType.Auto,))
     if sharded:
         specs = jax.tree_util.tree_map_with_path(_gspmd_spec, params)
@@ -62,8 +83,9 @@ def _plain(config, params, tokens, devices, optimizer, sharded: bool) -> Prepare
     opt_state = T.init_opt_state(optimizer, params, mesh)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     tokens_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
+    run_blocks = _batch_sharded_blocks(mesh) if constrained else T.lax_scan_blocks
     step = jax.jit(
-        T.plain_train_step(config, optimizer),
+        T.plain_train_step(config, optimizer, run_blocks),
         in_shardings=(param_sh, opt_sh, tokens_sh),
         out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
     )
@@ -92,6 +114,7 @@ def prepare(variant: str, config: T.TransformerConfig, devices: list[Any], param
     optimizer = optax.adamw(1e-3)
     if variant == "jshard":
         return _jshard(config, params, tokens, devices, optimizer)
-    if variant in ("replicated", "gspmd"):
-        return _plain(config, params, tokens, devices, optimizer, sharded=variant == "gspmd")
+    if variant in ("replicated", "gspmd", "gspmd_constrained"):
+        return _plain(config, params, tokens, devices, optimizer, sharded=variant != "replicated",
+                      constrained=variant == "gspmd_constrained")
     raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")

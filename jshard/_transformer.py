@@ -204,7 +204,8 @@ def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any 
     return js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(**kwargs))
 
 
-def plain_train_step(config: TransformerConfig, optimizer: Any) -> Callable[..., Any]:
+def plain_train_step(config: TransformerConfig, optimizer: Any,
+                     run_blocks: RunBlocks = lax_scan_blocks) -> Callable[..., Any]:
     """The same step without jshard: ``jax.value_and_grad`` of the loss over ``lax.scan``.
 
     Its parallelism is whatever the arguments' shardings make ``jit`` do (replicated
@@ -213,7 +214,7 @@ def plain_train_step(config: TransformerConfig, optimizer: Any) -> Callable[...,
     import optax
 
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(lm_loss)(params, tokens, config, lax_scan_blocks)
+        loss, grads = jax.value_and_grad(lm_loss)(params, tokens, config, run_blocks)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
