@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from jshard._mesh import MeshAxes
 
@@ -22,13 +23,15 @@ class LocalView:
     ``reshard`` maps ``id(unit.meta)`` to the resolved ``reshard_after_forward``.
     ``skip_all_reduce``: gradients are not all-reduced over replicate axes (the step
     does it once, after accumulating microbatches). ``pregathered``: units already hold
-    full parameters (gradient sync deferred to the end of the step).
+    full parameters (gradient sync deferred to the end of the step). ``remat_policy``:
+    the step's ``jax.checkpoint`` policy (see [Note: nested remat] in ``_remat.py``).
     """
 
     axes: MeshAxes
     reshard: dict[int, bool | int]
     skip_all_reduce: bool = False
     pregathered: bool = False
+    remat_policy: Callable[..., Any] | None = None
 
 
 _CURRENT: contextvars.ContextVar[LocalView | None] = contextvars.ContextVar(

@@ -10,6 +10,12 @@ user's slices too). Remat then walks back to the shard, which is saved, and re-g
 in backward. Everything else is saveable, so activations are not recomputed. Values
 named :data:`SAVED` (gathered units that keep their parameters, group copies of
 ``reshard_after_forward=k``) are saved at the name.
+
+[Note: nested remat] JAX applies the outermost ``jax.checkpoint``'s policy to everything
+inside it, so a ``jax.checkpoint`` the user writes inside ``loss_fn`` or a ``js.scan``
+body has no effect under the step's. :func:`remat_policy` therefore combines the user's
+activation policy (``value_and_grad(remat_policy=...)``) with jshard's: a value is saved
+only if both allow it, except ``SAVED`` gathers, which are always kept.
 """
 
 from __future__ import annotations
@@ -65,3 +71,16 @@ def _policy(prim, *_, **params) -> bool:
 
 
 REMAT_POLICY = _policy
+
+
+def remat_policy(activations=None):
+    """jshard's policy, combined with a ``jax.checkpoint`` policy for activations."""
+    if activations is None:
+        return REMAT_POLICY
+
+    def policy(prim, *args, **params):
+        if prim.name == "name" and params["name"] == SAVED:
+            return True
+        return _policy(prim, *args, **params) and activations(prim, *args, **params)
+
+    return policy

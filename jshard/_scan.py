@@ -84,6 +84,5 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
         full = [x if c is None else _local.gather_leaf(c, x, raf) for c, x in zip(comms, layer_entries, strict=True)]
         return body(carry, units.with_entries(full))
 
-    if raf is not False:
-        step = jax.checkpoint(step, policy=REMAT_POLICY)
+    step = jax.checkpoint(step, policy=view.remat_policy or REMAT_POLICY)  # per iteration: see [Note: nested remat]
     return jax.lax.scan(step, init, entries, **scan_kwargs)

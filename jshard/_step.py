@@ -16,7 +16,7 @@ from jshard._context import LocalView
 from jshard._layout import memory_kind, named_sharding, partition_spec
 from jshard._mesh import MeshAxes
 from jshard._offload import to_host
-from jshard._remat import REMAT_POLICY
+from jshard._remat import remat_policy as remat_policy_of
 from jshard._unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 
 
@@ -149,6 +149,7 @@ def value_and_grad(
     microbatches: int = 1,
     requires_gradient_sync: bool = True,
     requires_all_reduce: bool = True,
+    remat_policy: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """The FSDP training step's loss and gradient, computed in the local view.
 
@@ -173,6 +174,11 @@ def value_and_grad(
         ``set_requires_gradient_sync(False)``; holds every unit gathered).
       requires_all_reduce: ``False``: with HSDP, all-reduce over replicate axes once
         per step instead of per microbatch (FSDP2's ``set_requires_all_reduce``).
+      remat_policy: a ``jax.checkpoint`` policy for activations, combined with
+        jshard's (e.g. ``jax.checkpoint_policies.nothing_saveable`` recomputes each
+        layer of a ``js.scan`` in its backward iteration). Pass it here: a
+        ``jax.checkpoint`` inside ``loss_fn`` is overridden by the step's own (JAX applies
+        the outermost checkpoint's policy to everything inside it).
 
     Returns:
       ``grad_fn(sharded, batch, *args)``; it works under ``jax.jit``.
@@ -197,6 +203,7 @@ def value_and_grad(
             reshard=_reshard_map(units),
             skip_all_reduce=not requires_all_reduce and requires_gradient_sync,
             pregathered=not requires_gradient_sync,
+            remat_policy=remat_policy_of(remat_policy),
         )
         body = functools.partial(
             _local_step, loss_fn, view, root_policy.mp_policy, has_aux, unshard_params, microbatches
@@ -238,7 +245,7 @@ def _local_step(loss_fn, view, mp, has_aux, unshard_params, microbatches, params
             loss, aux, full_grads = _accumulate(loss_of, fulls, batch, microbatches)
             grads = _reduce_deferred(params, full_grads, view)
         else:
-            remat = jax.checkpoint(loss_of, policy=REMAT_POLICY)
+            remat = jax.checkpoint(loss_of, policy=view.remat_policy)
             loss, aux, grads = _accumulate(remat, params, batch, microbatches)
         if view.skip_all_reduce:
             grads = _all_reduce_replicas(params, grads, view)
