@@ -24,10 +24,22 @@ from jshard.flax._nnx_graph import own_variables, set_unit_state, sharded_module
 
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``; JAX dispatch is already asynchronous."""
+    """Returned by ``unshard(async_op=True)``; JAX dispatch is already asynchronous.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jshard.flax import nnx as jnnx
+      >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+      >>> m.unshard(async_op=True).wait()
+    """
 
     def wait(self) -> None:
-        """Nothing to wait for: the gathered values are ready when they are used."""
+        """Nothing to wait for: the gathered values are ready when they are used.
+
+        Example:
+          >>> from jshard.flax.nnx import UnshardHandle
+          >>> UnshardHandle().wait()
+        """
 
 
 class FSDPModule(nnx.Module):
@@ -74,7 +86,15 @@ class FSDPModule(nnx.Module):
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
-        """Put this module's shards back (the inverse of :meth:`unshard`). Example: see :meth:`unshard`."""
+        """Put this module's shards back (the inverse of :meth:`unshard`).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> _ = m.unshard(); m.reshard(); m.kernel.get_value().shape
+          (8, 2)
+        """
         if _context.current() is None:
             _reshard_global(self)
             return
@@ -104,44 +124,119 @@ class FSDPModule(nnx.Module):
         In JAX the gradient of a value gathered once is reduced once, so this selects the
         step's gather-once mode (the same as ``set_requires_gradient_sync(False)``). It is
         a property of the whole step: set it on the root.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.set_reshard_after_backward(False); m.fsdp_state.reshard_after_backward
+          False
         """
         for module in _targets(self, recurse):
             _update_state(module, reshard_after_backward=_as_bool("reshard_after_backward", reshard_after_backward))
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False``: accumulate unsharded gradients over microbatches, reduce once per step."""
+        """``False``: accumulate unsharded gradients over microbatches, reduce once per step.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.set_requires_gradient_sync(False); m.fsdp_state.requires_gradient_sync
+          False
+        """
         for module in _targets(self, recurse):
             _update_state(module, requires_gradient_sync=_as_bool("requires_gradient_sync", requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """``False``: with HSDP, all-reduce over replicas once per step, not per microbatch."""
+        """``False``: with HSDP, all-reduce over replicas once per step, not per microbatch.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.set_requires_all_reduce(False); m.fsdp_state.requires_all_reduce
+          False
+        """
         for module in _targets(self, recurse):
             _update_state(module, requires_all_reduce=_as_bool("requires_all_reduce", requires_all_reduce))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide this unit's reduced gradients by ``factor`` instead of the device count."""
+        """Divide this unit's reduced gradients by ``factor`` instead of the device count.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.set_gradient_divide_factor(16.0); m.policy.gradient_divide_factor
+          16.0
+        """
         _update_policy(self, gradient_divide_factor=factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Split the division around the summing collective (pre- and post-scale)."""
+        """Split the division around the summing collective (pre- and post-scale).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.set_force_sum_reduction_for_comms(True); m.policy.force_sum_reduction_for_comms
+          True
+        """
         _update_policy(self, force_sum_reduction_for_comms=enable)
 
     def set_custom_all_gather(self, comm: Callable[..., Any]) -> None:
-        """Replace this unit's all-gather: ``comm(shard, axis_names, dim) -> full``."""
+        """Replace this unit's all-gather: ``comm(shard, axis_names, dim) -> full``.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> import jshard as js
+          >>> m.set_custom_all_gather(js.int8_all_gather); m.policy.custom_all_gather is js.int8_all_gather
+          True
+        """
         _update_policy(self, custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Callable[..., Any]) -> None:
-        """Replace this unit's reduce-scatter: ``comm(grad, axis_names, dim) -> shard`` (a sum)."""
+        """Replace this unit's reduce-scatter: ``comm(grad, axis_names, dim) -> shard`` (a sum).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> import jshard as js
+          >>> m.set_custom_reduce_scatter(js.collectives.reduce_scatter)
+          >>> m.policy.custom_reduce_scatter is js.collectives.reduce_scatter
+          True
+        """
         _update_policy(self, custom_reduce_scatter=comm)
 
     def set_all_reduce_hook(self, hook: Callable[..., Any], *, stream: Any = None) -> None:
-        """Replace the all-reduce over replicate axes: ``hook(grad_shard, axes) -> grad_shard``."""
+        """Replace the all-reduce over replicate axes: ``hook(grad_shard, axes) -> grad_shard``.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.set_all_reduce_hook(lambda g, axes: g); m.policy.all_reduce_hook is not None
+          True
+        """
         if stream is not None:
             raise ValueError("`stream` is not applicable in JAX (XLA schedules collectives); pass only `hook`.")
         _update_policy(self, all_reduce_hook=hook)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
-        """Gather ``modules`` when this module's forward starts (before they are called)."""
+        """Gather ``modules`` when this module's forward starts (after its own gather).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> other = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
+          >>> m.set_modules_to_forward_prefetch([other]); m.fsdp_state.forward_prefetch == (other.fsdp_state.uid,)
+          True
+        """
         _update_state(self, forward_prefetch=_uids(modules))
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
@@ -149,13 +244,42 @@ class FSDPModule(nnx.Module):
 
         JAX places backward re-gathers itself (remat) and XLA schedules them; see
         ``docs/flax.md``. The list is validated and kept in ``backward_prefetch``.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> other = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
+          >>> m.set_modules_to_backward_prefetch([other]); len(m.fsdp_state.backward_prefetch)
+          1
         """
         _update_state(self, backward_prefetch=_uids(modules))
 
     @property
     def policy(self):
-        """This module's unit policy (a :class:`jshard.FullyShardPolicy`)."""
+        """This module's unit policy (a :class:`jshard.FullyShardPolicy`).
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.policy.reshard_after_forward is None
+          True
+        """
         return unit_state(self).meta.policy
+
+    @property
+    def fsdp_state(self):
+        """This module's static FSDP facts (read-only): unit meta, step controls, prefetch lists.
+
+        Example:
+          >>> from flax import nnx
+          >>> from jshard.flax import nnx as jnnx
+          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+          >>> m.fsdp_state.requires_gradient_sync, m.fsdp_state.name
+          (True, '')
+        """
+        return unit_state(self)
 
 
 def _as_bool(name: str, value: Any) -> bool:

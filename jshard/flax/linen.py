@@ -105,7 +105,17 @@ def shard_params(model: nn.Module, params: Any, *args: Any, method: Any = None, 
       ValueError: the root is not wrapped, or a wrapped module is nested inside a stacked
         (``nn.scan``) one.
 
-    Example: see the module docstring.
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jshard.flax import linen as jlinen
+      >>> class MLP(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return nn.Dense(1)(jlinen.fully_shard(nn.Dense)(4, name="block")(x))
+      >>> model, x = jlinen.fully_shard(MLP)(), jnp.ones((8, 3))
+      >>> params = jlinen.shard_params(model, model.init(jax.random.key(0), x)["params"], x)
+      >>> type(params["block"]).__name__, params["block"]["kernel"].shape
+      ('FSDPUnit', (8, 4))
     """
     params = jax.tree.map(lambda x: x, dict(params))
     with planning() as plan:
