@@ -22,6 +22,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
     """Rows: peak MiB per device, step ms; columns: model sizes; x: devices. Returns ``path``."""
     cases = results["cases"]
     sizes = list(dict.fromkeys(c["size"] for c in cases))
+    devices = sorted({c["devices"] for c in cases})
     fig, axes = plt.subplots(2, len(sizes), figsize=(4.2 * len(sizes), 7), squeeze=False)
     for col, size in enumerate(sizes):
         params = next(c["params"] for c in cases if c["size"] == size)
@@ -37,6 +38,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
         axes[1][col].set_ylabel("median step time (ms)")
         for ax in axes[:, col]:
             ax.set_xscale("log", base=2)
+            ax.set_xticks(devices, [str(d) for d in devices])
             ax.set_xlabel("devices")
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
@@ -47,3 +49,11 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    source = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent / "results/compare.json")
+    print(plot(json.loads(source.read_text()), source.with_suffix(".png")))
