@@ -163,8 +163,11 @@ def _cast(tree: Any, dtype: Any) -> Any:
     )
 
 
-def fsdp_lift(fn: Any, mesh: Any, policy: FullyShardPolicy) -> Any:
-    """The lifted transform applied by ``jshard.flax.linen.fully_shard`` (see the Note)."""
+def fsdp(fn: Any, mesh: Any, policy: FullyShardPolicy) -> Any:
+    """The lifted transform applied by ``jshard.flax.linen.fully_shard`` (see the Note).
+
+    Linen names the transformed class after it: ``Fsdp<Name>``.
+    """
 
     def wrapped(scopes: Any, *args: Any, **kwargs: Any) -> Any:
         scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes

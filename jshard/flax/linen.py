@@ -27,7 +27,7 @@ from jshard._fully_shard import fully_shard as _fully_shard_tree
 from jshard._mesh import make_mesh
 from jshard._step import value_and_grad as _core_value_and_grad
 from jshard._unit import FSDPUnit, is_unit
-from jshard.flax._linen_transform import Path, StepTable, _get, _set, format_path, fsdp_lift, planning, step_table
+from jshard.flax._linen_transform import Path, StepTable, _get, _set, format_path, fsdp, planning, step_table
 
 
 def fully_shard(
@@ -61,12 +61,12 @@ def fully_shard(
       >>> from jshard.flax import linen as jlinen
       >>> Block = jlinen.fully_shard(nn.Dense, policy=js.FullyShardPolicy(reshard_after_forward=True))
       >>> Block.__name__
-      'Fsdp_liftDense'
+      'FsdpDense'
     """
     if not (isinstance(target, type) and issubclass(target, nn.Module)):
         raise TypeError(f"jshard.flax.linen.fully_shard takes a Linen module class, got {target!r}.")
     policy = FullyShardPolicy() if policy is None else policy
-    return nn.transforms.lift_transform(fsdp_lift, target, mesh, policy, methods=methods)
+    return nn.transforms.lift_transform(fsdp, target, mesh, policy, methods=methods)
 
 
 def _plan_units(plan: Any, params: dict) -> list[tuple[Path, Any, FullyShardPolicy]]:
