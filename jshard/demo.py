@@ -250,9 +250,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     print(memory_table(replicated_memory, sharded_memory, devices))
     path = plot_memory(replicated_memory, sharded_memory, devices, pathlib.Path(args.out))
     print(f"memory plot: {path.resolve()}")
-    prompt = ids[: config.seq_len].tolist()
+    end = max(text.find("Shall I compare thee"), config.seq_len)  # the sample goes on from sonnet 18's first words
+    prompt = ids[end - config.seq_len : end + len("Shall I")].tolist()
     text_out = sample(js.unshard(params), config, vocab, prompt, args.sample_chars, args.seed)
-    print(f"sample (after {vocab.decode(prompt[-40:])!r}):\n{text_out}")
+    print(f"sample (after {vocab.decode(prompt[-40:])!r}):\n{vocab.decode(prompt[-7:])}{text_out}")
     return {"losses": losses, "replicated": replicated_memory, "jshard": sharded_memory, "plot": str(path),
             "sample": text_out}
 
