@@ -95,6 +95,35 @@ _MLIR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "
                 "i32": "int32", "ui8": "uint8", "i1": "bool"}
 
 
+def lowered_collective_results(stablehlo_text: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """``(kind, [(dtype, shape) of each result])`` of every collective in lowered StableHLO text.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard._hlo import lowered_collective_results
+      >>> mesh = js.make_mesh()
+      >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "fsdp"), mesh=mesh,
+      ...             in_specs=jax.P("fsdp"), out_specs=jax.P()))
+      >>> x = jax.device_put(jnp.ones(16, jnp.bfloat16), jax.NamedSharding(mesh, jax.P("fsdp")))
+      >>> lowered_collective_results(f.lower(x).as_text())
+      [('all-reduce', [('bfloat16', (2,))])]
+    """
+    out = []
+    lines = stablehlo_text.splitlines()
+    for i, line in enumerate(lines):
+        match = _STABLEHLO.search(line)
+        if not match:
+            continue
+        kind = match.group(1).replace("_", "-")
+        signature = next((s for s in lines[i:] if "->" in s and "tensor<" in s.split("->")[-1]), line)
+        results = [
+            (_MLIR_DTYPES.get(dtype, dtype), tuple(int(d) for d in dims.split("x") if d))
+            for dims, dtype in _TENSOR.findall(signature.split("->")[-1])
+        ]
+        out.append((kind, results))
+    return out
+
+
 def lowered_collectives(stablehlo_text: str) -> list[tuple[str, str]]:
     """``(kind, result dtype)`` of every collective in lowered StableHLO text.
 
@@ -111,17 +140,7 @@ def lowered_collectives(stablehlo_text: str) -> list[tuple[str, str]]:
       >>> lowered_collectives(f.lower(x).as_text())
       [('all-reduce', 'bfloat16')]
     """
-    out = []
-    lines = stablehlo_text.splitlines()
-    for i, line in enumerate(lines):
-        match = _STABLEHLO.search(line)
-        if not match:
-            continue
-        kind = match.group(1).replace("_", "-")
-        signature = next((s for s in lines[i:] if "->" in s and "tensor<" in s.split("->")[-1]), line)
-        tensors = _TENSOR.findall(signature.split("->")[-1])
-        out.append((kind, _MLIR_DTYPES.get(tensors[0][1], tensors[0][1]) if tensors else ""))
-    return out
+    return [(kind, results[0][0] if results else "") for kind, results in lowered_collective_results(stablehlo_text)]
 
 
 _LAYOUT_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")

@@ -128,21 +128,11 @@ def wire_bytes(kind: str, result_bytes: int, n: int) -> float:
 
 
 def _lowered_dtypes(stablehlo_text: str) -> dict[tuple[str, tuple[int, ...]], set[str]]:
-    """``(kind, result shape) -> dtypes`` of the lowered program's collectives.
-
-    Reads the same lines as :func:`jshard._hlo.lowered_collectives`, keeping shapes too.
-    """
+    """``(kind, result shape) -> dtypes`` of the lowered program's collectives."""
     out: dict[tuple[str, tuple[int, ...]], set[str]] = collections.defaultdict(set)
-    lines = stablehlo_text.splitlines()
-    for i, line in enumerate(lines):
-        match = _hlo._STABLEHLO.search(line)
-        if not match:
-            continue
-        kind = match.group(1).replace("_", "-")
-        signature = next((s for s in lines[i:] if "->" in s and "tensor<" in s.split("->")[-1]), line)
-        for dims, dtype in _hlo._TENSOR.findall(signature.split("->")[-1]):
-            shape = tuple(int(d) for d in dims.split("x") if d)
-            out[(kind, shape)].add(_hlo._MLIR_DTYPES.get(dtype, dtype))
+    for kind, results in _hlo.lowered_collective_results(stablehlo_text):
+        for dtype, shape in results:
+            out[(kind, shape)].add(dtype)
     return out
 
 
