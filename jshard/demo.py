@@ -124,7 +124,7 @@ def _replicated_memory(config: Any, optimizer: Any, mesh: Any, tokens: Any) -> A
     return Memory.from_compiled(lowered.compile())
 
 
-def memory_table(replicated: Any, sharded: Any, devices: int) -> str:
+def _memory_table(replicated: Any, sharded: Any, devices: int) -> str:
     """Per-device MiB of both compiled steps, side by side."""
     rows = [("arguments (params, optimizer state, batch)", "argument"), ("temporaries", "temp"),
             ("outputs", "output"), ("peak (arguments + outputs + temporaries)", "peak")]
@@ -138,7 +138,7 @@ def memory_table(replicated: Any, sharded: Any, devices: int) -> str:
     return "\n".join(lines)
 
 
-def plot_memory(replicated: Any, sharded: Any, devices: int, path: pathlib.Path) -> pathlib.Path:
+def _plot_memory(replicated: Any, sharded: Any, devices: int, path: pathlib.Path) -> pathlib.Path:
     """A bar chart of :func:`memory_table`, written to ``path``."""
     import matplotlib
 
@@ -164,7 +164,7 @@ def plot_memory(replicated: Any, sharded: Any, devices: int, path: pathlib.Path)
     return path
 
 
-def sample(params: Any, config: Any, vocab: Vocab, prompt: list[int], length: int, seed: int = 0) -> str:
+def _sample(params: Any, config: Any, vocab: Vocab, prompt: list[int], length: int, seed: int = 0) -> str:
     """``length`` characters sampled (temperature 0.8) after ``prompt`` (``seq_len`` ids)."""
     import jax
     import jax.numpy as jnp
@@ -198,7 +198,7 @@ def _batches(ids: Any, batch: int, seq_len: int, seed: int = 0):
         yield np.stack([ids[s : s + seq_len + 1] for s in starts])
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
+def _train(args: argparse.Namespace) -> dict[str, Any]:
     """Train, report memory, plot, sample; returns what it printed, as data."""
     import jax
     import numpy as np
@@ -247,18 +247,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     bar.close()
     print(f"loss: {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {steps} "
           f"({rate:,.0f} tokens/s over {time.perf_counter() - start:.1f} s)")
-    print(memory_table(replicated_memory, sharded_memory, devices))
-    path = plot_memory(replicated_memory, sharded_memory, devices, pathlib.Path(args.out))
+    print(_memory_table(replicated_memory, sharded_memory, devices))
+    path = _plot_memory(replicated_memory, sharded_memory, devices, pathlib.Path(args.out))
     print(f"memory plot: {path.resolve()}")
     end = max(text.find("Shall I compare thee"), config.seq_len)  # the sample goes on from sonnet 18's first words
     prompt = ids[end - config.seq_len : end + len("Shall I")].tolist()
-    text_out = sample(js.unshard(params), config, vocab, prompt, args.sample_chars, args.seed)
+    text_out = _sample(js.unshard(params), config, vocab, prompt, args.sample_chars, args.seed)
     print(f"sample (after {vocab.decode(prompt[-40:])!r}):\n{vocab.decode(prompt[-7:])}{text_out}")
     return {"losses": losses, "replicated": replicated_memory, "jshard": sharded_memory, "plot": str(path),
             "sample": text_out}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jshard.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default per size: {DEFAULT_STEPS})")
     parser.add_argument("--size", choices=sorted(DEFAULT_STEPS), default="small")
@@ -273,10 +273,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """``python -m jshard.demo [flags]``."""
-    args = parse_args(argv)
+    """``python -m jshard.demo [flags]``: train, report memory, plot, sample; returns the figures.
+
+    Example:
+      >>> from jshard.demo import main
+      >>> result = main(["--steps", "3", "--size", "tiny"])  # doctest: +SKIP
+      >>> result["losses"][-1] < result["losses"][0]  # doctest: +SKIP
+      True
+    """
+    args = _parse_args(argv)
     simulate_cpu_devices(8)
-    return train(args)
+    return _train(args)
 
 
 if __name__ == "__main__":

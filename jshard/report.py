@@ -39,6 +39,13 @@ class Memory:
     kept as ``xla_peak``). ``host_*`` are the same figures in host memory kinds; where
     the backend counts host-resident arguments and outputs as device bytes (XLA:CPU),
     they are moved to ``host_*`` by the entry layout's memory spaces.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jshard.report import Memory
+      >>> memory = Memory.from_compiled(jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile())
+      >>> memory.argument, memory.output
+      (1024, 1024)
     """
 
     argument: int
@@ -82,6 +89,16 @@ class Report:
       collectives: every collective of the compiled program, in program order.
       analytic: the figures of the performance model for the step's units.
       mesh: the mesh's axis sizes.
+
+    Example:
+      >>> import json, jax.numpy as jnp, jshard as js
+      >>> from jshard.report import Report, step_report
+      >>> params = js.fully_shard({"w": jnp.ones((16, 4))})
+      >>> report = step_report(js.value_and_grad(lambda p, x: jnp.mean(x @ p["w"])), params, jnp.ones((8, 16)))
+      >>> report.ratios()["argument bytes"], report.collective_bytes["reduce-scatter"]
+      (1.0, 224.0)
+      >>> Report.from_dict(json.loads(report.to_json())) == report
+      True
     """
 
     memory: Memory
@@ -149,7 +166,16 @@ def _mib(x: float) -> str:
 
 
 def format_report(report: Report) -> str:
-    """The report as a text table (what ``print(report)`` shows)."""
+    """The report as a text table (what ``print(report)`` shows).
+
+    Example:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> from jshard.report import format_report, step_report
+      >>> params = js.fully_shard({"w": jnp.ones((16, 4))})
+      >>> report = step_report(js.value_and_grad(lambda p, x: jnp.mean(x @ p["w"])), params, jnp.ones((8, 16)))
+      >>> format_report(report).splitlines()[0]
+      'jshard step report: mesh {fsdp=8}, 8 devices, shard size N=8, replicate R=1'
+    """
     a, m = report.analytic, report.memory
     mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
     lines = [
@@ -189,6 +215,15 @@ def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, micr
       params: the sharded parameters among ``args`` (default: the first argument that
         contains an :class:`jshard.FSDPUnit`).
       microbatches: gradient accumulation steps inside the step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard.report import report_lowered
+      >>> params = js.fully_shard({"w": jnp.ones((16, 4))})
+      >>> args = (params, jnp.ones((8, 16)))
+      >>> lowered = jax.jit(js.value_and_grad(lambda p, x: jnp.mean(x @ p["w"]))).lower(*args)
+      >>> report_lowered(lowered, args).analytic.params
+      64
     """
     if params is None:
         params = next((a for a in args if all_units(a)), None)
@@ -239,8 +274,15 @@ def step_report(step: Callable[..., Any], *args: Any, params: Any = None, microb
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m jshard.report --plan``: plan a stacked transformer on a large mesh."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    """``python -m jshard.report --plan``: plan a stacked transformer on a large mesh.
+
+    Example:
+      >>> from jshard.report import main
+      >>> main(["--plan", "--size", "1b", "--devices", "64"])  # doctest: +SKIP
+      jshard step report: mesh {fsdp=64}, 64 devices, shard size N=64, replicate R=1
+      ...
+    """
+    parser = argparse.ArgumentParser(prog="python -m jshard.report", description=main.__doc__.splitlines()[0])
     parser.add_argument("--plan", action="store_true", help="compile-only plan (the only mode)")
     parser.add_argument("--size", default="1b", help="model size: tiny, small, medium or 1b")
     parser.add_argument("--devices", type=int, default=64)
