@@ -178,11 +178,19 @@ with CheckpointManager(sys.argv[1], async_save=True) as ckpt:
 """
 
 
+def _entries(path):
+    """A directory's entries; none if it is gone (the saver renames temporary directories as we look)."""
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
 def _listing(directory):
     """Finished steps, and the contents of unfinished (temporary) step directories."""
-    names = os.listdir(directory) if directory.exists() else []
-    tmp = [os.listdir(directory / n) if (directory / n).exists() else [] for n in names if "tmp" in n]
-    return sorted(int(n) for n in names if n.isdigit()), [entry for entries in tmp for entry in entries]
+    names = _entries(directory)
+    in_progress = [entry for n in names if "tmp" in n for entry in _entries(directory / n)]
+    return sorted(int(n) for n in names if n.isdigit()), in_progress
 
 
 def test_killed_save_leaves_the_previous_step_restorable(tmp_path):
