@@ -64,10 +64,17 @@ ad.deflinear2(unpad_p, _transpose)
 batching.primitive_batchers[unpad_p] = _batch
 
 
+# Cheap layout and dtype changes: recomputed in backward rather than saved, so that a
+# parameter the model slices, casts, transposes or reshapes is re-gathered, not kept in
+# its derived form (their inputs are saved instead when they are activations).
+_RECOMPUTED = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim", "slice",
+                         "squeeze", "expand_dims", "copy", "copy_p", "rev"})
+
+
 def _policy(prim, *_, **params) -> bool:
     if prim.name == "name":
         return params["name"] != FREE
-    return prim is not unpad_p and prim.name != "all_gather"
+    return prim is not unpad_p and prim.name != "all_gather" and prim.name not in _RECOMPUTED
 
 
 REMAT_POLICY = _policy

@@ -129,3 +129,27 @@ def test_int8_all_gather_sends_a_quarter_of_the_bytes():
     plain_bytes, quant_bytes = gathered_bytes(plain), gathered_bytes(quant)
     assert plain_bytes == 64 * 256 * 4
     assert quant_bytes == 64 * 256 * 1 + (64 * 256 // 256) * 4  # int8 values + one f32 scale per block
+
+
+def test_a_sliced_cast_transposed_weight_is_regathered_not_saved():
+    # The body uses the weight only through slice -> bf16 cast -> transpose; remat must walk
+    # back through those cheap ops to the shard and re-gather, not keep the derived weight
+    # (8 layers x 512 x 512 bf16 = 4 MiB) for backward.
+    layers, width = 8, 512
+    params = {"w": jax.ShapeDtypeStruct((layers, width, width + 8), jnp.float32)}
+    sharded = js.fully_shard(params, policy=js.FullyShardPolicy(scan_axis=0, reshard_after_forward=True))
+
+    def loss_fn(p, x):
+        def block(h, layer):
+            w = layer["w"][:, :width].astype(jnp.bfloat16).T
+            return jnp.tanh((h.astype(jnp.bfloat16) @ w).astype(jnp.float32)), None
+
+        h, _ = js.scan(block, x, p)
+        return jnp.mean(h**2)
+
+    compiled = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(
+        sharded, jax.ShapeDtypeStruct((256, width), jnp.float32)).compile()
+    gathers = [c for c in hlo_collectives(compiled.as_text()) if c.kind == "all-gather"]
+    assert len(gathers) == 2 and all(c.in_loop for c in gathers)
+    assert len({c.computation for c in gathers}) == 2  # forward and backward loop bodies
+    assert compiled.memory_analysis().temp_size_in_bytes < layers * width * width * 2  # no saved derived weights
