@@ -152,4 +152,6 @@ def test_a_sliced_cast_transposed_weight_is_regathered_not_saved():
     gathers = [c for c in hlo_collectives(compiled.as_text()) if c.kind == "all-gather"]
     assert len(gathers) == 2 and all(c.in_loop for c in gathers)
     assert len({c.computation for c in gathers}) == 2  # forward and backward loop bodies
-    assert compiled.memory_analysis().temp_size_in_bytes < layers * width * width * 2  # no saved derived weights
+    # Measured: 4.8 MB; 14.0 MB when the derived bf16 weights of all layers are kept.
+    bound = layers * width * width * 2 + 2 * width * (width + 8) * 4  # below "all derived + two gathered"
+    assert compiled.memory_analysis().temp_size_in_bytes < bound
