@@ -18,7 +18,47 @@ _INSTR = re.compile(
     r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) (" + "|".join(KINDS) + r")(?:-start)?\((.*)$"
 )
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[^\]]*\]<=\[[^\]]*\][^,]*)")
+_GROUPS = re.compile(
+    r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[^\]]*\]<=\[[^\]]*\](?:T\([\d,]*\))?|mesh\[[^\]]*\] \{[^}]*\})"
+)
+_IOTA = re.compile(r"\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?")
+_MESH = re.compile(r"mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _explicit(groups: np.ndarray) -> str:
+    return "{" + ",".join("{" + ",".join(str(int(d)) for d in row) + "}" for row in groups) + "}"
+
+
+def normalize_groups(raw: str) -> str:
+    """Replica groups as explicit ``{{0,1},{2,3}}``, whichever notation XLA printed.
+
+    Newer XLA prints iota (``[2,4]<=[4,2]T(1,0)``) or mesh-axes (``mesh['a'=2,'b'=4] {'b'}``)
+    forms; the groups they describe are the same.
+
+    Example:
+      >>> from jshard._hlo import normalize_groups
+      >>> normalize_groups("mesh['replicate'=2,'fsdp'=4] {'fsdp'}"), normalize_groups("[2,2]<=[2,2]T(1,0)")
+      ('{{0,1,2,3},{4,5,6,7}}', '{{0,2},{1,3}}')
+    """
+    iota = _IOTA.fullmatch(raw)
+    if iota:
+        shape, dims, perm = _ints(iota.group(1)), _ints(iota.group(2)), _ints(iota.group(3) or "")
+        devices = np.arange(math.prod(dims)).reshape(dims)
+        return _explicit((devices.transpose(perm) if perm else devices).reshape(shape))
+    mesh = _MESH.fullmatch(raw)
+    if mesh:
+        axes = [(name.strip().strip("'"), int(size)) for name, size in
+                (item.split("=") for item in mesh.group(1).split(","))]
+        names = [name for name, _ in axes]
+        listed = [names.index(a.strip().strip("'")) for a in mesh.group(2).split(",") if a.strip()]
+        devices = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+        rest = [i for i in range(len(axes)) if i not in listed]
+        return _explicit(devices.transpose(rest + listed).reshape(-1, math.prod(axes[i][1] for i in listed)))
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +122,7 @@ def hlo_collectives(hlo_text: str) -> list[Collective]:
             kind=kind,
             dtype=arrays[0][0] if arrays else "",
             shapes=tuple(shape for _, shape in arrays),
-            replica_groups=groups.group(1) if groups else "",
+            replica_groups=normalize_groups(groups.group(1)) if groups else "",
             computation=computation,
             in_loop=computation in bodies,
         ))
