@@ -33,6 +33,30 @@ def _explicit(groups: np.ndarray) -> str:
     return "{" + ",".join("{" + ",".join(str(int(d)) for d in row) + "}" for row in groups) + "}"
 
 
+_SUB_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+
+
+def _mesh_groups(axes_text: str, listed_text: str) -> np.ndarray:
+    """Groups of ``mesh['a'=2,'b'=4] {'b'}``; a listed ``'b':(p)s`` is Shardy's sub-axis of
+    ``b`` with pre-size ``p`` (the product of the more major factors) and size ``s``."""
+    axes = [(name.strip().strip("'"), int(size)) for name, size in (item.split("=") for item in axes_text.split(","))]
+    listed = {m.group(1): (int(m.group(2) or 1), int(m.group(3) or 0)) for m in _SUB_AXIS.finditer(listed_text)}
+    dims, keep = [], []
+    for name, size in axes:
+        pre, sub = listed.get(name, (1, 0))
+        sub = sub or (size if name in listed else 0)
+        if sub and size % (pre * sub):
+            raise ValueError(f"sub-axis {name!r}:({pre}){sub} does not divide {size}")
+        factors = [pre, sub, size // (pre * sub)] if sub else [size]
+        keep += [False, True, False] if sub else [False]
+        dims += factors
+    if set(listed) - {name for name, _ in axes}:
+        raise ValueError(f"unknown axes in {listed_text!r}")
+    order = [i for i, k in enumerate(keep) if not k] + [i for i, k in enumerate(keep) if k]
+    devices = np.arange(math.prod(dims)).reshape(dims).transpose(order)
+    return devices.reshape(-1, math.prod(d for d, k in zip(dims, keep, strict=True) if k))
+
+
 def normalize_groups(raw: str) -> str:
     """Replica groups as explicit ``{{0,1},{2,3}}``, whichever notation XLA printed.
 
@@ -43,6 +67,8 @@ def normalize_groups(raw: str) -> str:
       >>> from jshard._hlo import normalize_groups
       >>> normalize_groups("mesh['replicate'=2,'fsdp'=4] {'fsdp'}"), normalize_groups("[2,2]<=[2,2]T(1,0)")
       ('{{0,1,2,3},{4,5,6,7}}', '{{0,2},{1,3}}')
+      >>> normalize_groups("mesh['fsdp'=8] {'fsdp':(1)2}"), normalize_groups("mesh['fsdp'=8] {'fsdp':(2)4}")
+      ('{{0,4},{1,5},{2,6},{3,7}}', '{{0,1,2,3},{4,5,6,7}}')
     """
     iota = _IOTA.fullmatch(raw)
     if iota:
@@ -51,13 +77,10 @@ def normalize_groups(raw: str) -> str:
         return _explicit((devices.transpose(perm) if perm else devices).reshape(shape))
     mesh = _MESH.fullmatch(raw)
     if mesh:
-        axes = [(name.strip().strip("'"), int(size)) for name, size in
-                (item.split("=") for item in mesh.group(1).split(","))]
-        names = [name for name, _ in axes]
-        listed = [names.index(a.strip().strip("'")) for a in mesh.group(2).split(",") if a.strip()]
-        devices = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
-        rest = [i for i in range(len(axes)) if i not in listed]
-        return _explicit(devices.transpose(rest + listed).reshape(-1, math.prod(axes[i][1] for i in listed)))
+        try:
+            return _explicit(_mesh_groups(mesh.group(1), mesh.group(2)))
+        except ValueError:
+            return raw  # a notation this parser does not know: keep XLA's text
     return raw
 
 

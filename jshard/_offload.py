@@ -10,6 +10,7 @@ compute) or on the device (fast compute, the state and gradients cross the bus).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 import jax
@@ -25,6 +26,19 @@ def to_device(x: jax.Array, offloaded: bool) -> jax.Array:
 def to_host(x: jax.Array, offloaded: bool) -> jax.Array:
     """``x`` in host memory, if its unit is offloaded (inside ``jit``)."""
     return jax.device_put(x, jax.memory.Space.Host) if offloaded else x
+
+
+def _on_host_compute(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` computed on the host; outputs stay in their inputs' memory spaces.
+
+    jax 0.10 and 0.11 take ``compute_on`` as a context manager; later releases as a
+    function transform that needs the outputs' memory spaces.
+    """
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        spaces = jax.tree.map(lambda x: jax.typeof(x).memory_space, tuple(args[:2]))  # (updates, state) out
+        return compute_on(fn, compute_type="device_host", out_memory_spaces=spaces)(*args)
+    with compute_on("device_host"):
+        return jax.jit(fn)(*args)
 
 
 def _on_host(x: jax.Array) -> bool:
@@ -62,8 +76,7 @@ def offload_optimizer(tx: optax.GradientTransformation, compute: Literal["host",
 
     def update(updates: Any, state: Any, params: Any = None):
         if compute == "host":
-            with compute_on("device_host"):
-                return jax.jit(tx.update)(updates, state, params)
+            return _on_host_compute(tx.update, updates, state, params)
         on_host = jax.tree.map(_on_host, (updates, state))
         moved = jax.tree.map(lambda x: to_device(x, _on_host(x)), (updates, state, params))
         return jax.tree.map(to_host, tx.update(*moved), on_host)
