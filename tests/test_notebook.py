@@ -2,10 +2,9 @@
 
 import pathlib
 
+import nbclient  # the test extra installs them: a missing one fails here instead of skipping
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOK = pathlib.Path(__file__).parent.parent / "examples" / "colab_fsdp.ipynb"
 
