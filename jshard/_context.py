@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from jshard._mesh import MeshAxes
+from jshard._remat import REMAT_POLICY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class LocalView:
     reshard: dict[int, bool | int]
     skip_all_reduce: bool = False
     pregathered: bool = False
-    remat_policy: Callable[..., Any] | None = None
+    remat_policy: Callable[..., Any] = REMAT_POLICY
 
 
 _CURRENT: contextvars.ContextVar[LocalView | None] = contextvars.ContextVar(

@@ -11,7 +11,6 @@ import jax
 from jshard import _context, _local
 from jshard._fully_shard import unshard
 from jshard._layout import LeafLayout
-from jshard._remat import REMAT_POLICY
 from jshard._unit import FSDPUnit, is_unit
 
 
@@ -84,5 +83,5 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
         full = [x if c is None else _local.gather_leaf(c, x, raf) for c, x in zip(comms, layer_entries, strict=True)]
         return body(carry, units.with_entries(full))
 
-    step = jax.checkpoint(step, policy=view.remat_policy or REMAT_POLICY)  # per iteration: see [Note: nested remat]
+    step = jax.checkpoint(step, policy=view.remat_policy)  # per iteration: see [Note: nested remat]
     return jax.lax.scan(step, init, entries, **scan_kwargs)

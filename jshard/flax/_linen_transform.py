@@ -26,7 +26,6 @@ from jshard import _context
 from jshard._api import FullyShardPolicy
 from jshard._fully_shard import unshard
 from jshard._local import gather_leaf, leaf_comm
-from jshard._remat import REMAT_POLICY
 from jshard._scan import _layer_layout
 from jshard._unit import FSDPUnit, is_unit
 
@@ -181,7 +180,7 @@ def fsdp(fn: Any, mesh: Any, policy: FullyShardPolicy) -> Any:
         if mp.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), mp.param_dtype)
         if unit.meta.policy.scan_axis == 0 and _context.current().reshard[id(unit.meta)] is not False:
-            inner = lift.checkpoint(inner, policy=REMAT_POLICY)
+            inner = lift.checkpoint(inner, policy=_context.current().remat_policy)
         table.depth[path] = table.depth.get(path, 0) + 1
         try:
             return _cast(inner(scopes, *args, **kwargs), mp.output_dtype)

@@ -19,7 +19,6 @@ from flax import nnx
 from jshard import _context
 from jshard._fully_shard import unshard
 from jshard._local import gather_leaf, leaf_comm
-from jshard._remat import REMAT_POLICY
 from jshard._scan import _layer_layout
 from jshard._unit import FSDPUnit, is_unit
 from jshard.flax import _nnx_context as ctx_lib
@@ -172,7 +171,8 @@ def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
 
     if held is None and _is_stacked_slice(module) and _resolved(module, view) is not False:
         prefetch()  # outside the checkpoint: the targets live in this trace
-        return nnx.remat(lambda m: _gathered_call(m, method, args, kwargs, step, view), policy=REMAT_POLICY)(module)
+        call = nnx.remat(lambda m: _gathered_call(m, method, args, kwargs, step, view), policy=view.remat_policy)
+        return call(module)
     return _gathered_call(module, method, args, kwargs, step, view, prefetch)
 
 
