@@ -22,8 +22,8 @@ from jshard._context import LocalView
 from jshard._layout import LeafLayout, memory_kind, pad
 from jshard._mesh import MeshAxes
 from jshard._offload import to_device, to_host
-from jshard._remat import FREE, SAVED, unpad_gathered
-from jshard._unit import FSDPUnit
+from jshard._remat import FREE, GATHER_START, SAVED, depend, unpad_gathered
+from jshard._unit import FSDPUnit, UnitMeta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +112,19 @@ def gather_from_group_copy(comm: LeafComm, shard: jax.Array, group_copy: jax.Arr
 
     Device ``i`` of group ``i // k`` holds rows ``[(i//k)*k*c, (i//k+1)*k*c)``; gathering
     across devices with the same ``i % k`` concatenates the groups' copies in order.
+    The gather depends on ``shard`` through a zero, so that where the step replaces the
+    shard in backward the re-gather is ordered there too ([Note: unrolled units]).
     """
-    return _gather_across_groups(comm, group_copy)
+    return _gather_across_groups(comm, shard, group_copy)
 
 
-def _gather_across_groups(comm: LeafComm, group_copy: jax.Array) -> jax.Array:
+def _gather_across_groups(comm: LeafComm, shard: jax.Array, group_copy: jax.Array) -> jax.Array:
+    group_copy = depend(group_copy, [shard])
     return _unpad(comm, C.all_gather(group_copy, comm.axes.shard, comm.layout.dim, _across_groups(comm)))
 
 
 def _from_group_fwd(comm, shard, group_copy):
-    return _gather_across_groups(comm, group_copy), group_copy.shape
+    return _gather_across_groups(comm, shard, group_copy), group_copy.shape
 
 
 def _from_group_bwd(comm, group_shape, g):
@@ -146,7 +149,12 @@ def _across_groups(comm: LeafComm) -> list[list[int]]:
 
 
 def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | int) -> jax.Array:
-    """Gather one leaf for compute, tagged for the remat policy (see the Note above)."""
+    """Gather one leaf for compute, tagged for the remat policy (see the Note above).
+
+    The shard is named :data:`GATHER_START` first: the step cuts unrolled code into
+    segments there (see [Note: unrolled units] in ``_segments.py``).
+    """
+    shard = checkpoint_name(shard, GATHER_START)
     if not _is_float(comm.layout.dtype):
         return jax.lax.stop_gradient(_gather_cast(comm, shard))
     raf = reshard_after_forward
@@ -162,9 +170,9 @@ def leaf_comm(layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, view
     return LeafComm(layout, axes, policy, float(factor), view.skip_all_reduce)
 
 
-def resolved_reshard(unit: FSDPUnit, view: LocalView) -> bool | int:
+def resolved_reshard(meta: UnitMeta, view: LocalView) -> bool | int:
     try:
-        return view.reshard[id(unit.meta)]
+        return view.reshard[id(meta)]
     except KeyError:
         raise ValueError(
             "js.unshard got a unit that was not passed to this step (units must be part of the "
@@ -172,14 +180,32 @@ def resolved_reshard(unit: FSDPUnit, view: LocalView) -> bool | int:
         ) from None
 
 
+def layer_layout(layout: LeafLayout) -> LeafLayout:
+    """The layout of one layer's slice of a leaf stacked along axis 0."""
+    dim = None if layout.dim is None else layout.dim - 1
+    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim)
+
+
+def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer: bool = False) -> list[Any]:
+    """The one gather path: ``entries`` (a unit's own shards and sub-unit placeholders, in
+    ``unit.own_entries()`` order; ``meta`` its meta) with every own, non-ignored leaf
+    gathered for compute.
+
+    ``layer=True``: the entries are one layer's slices of a stacked unit (``js.scan``,
+    ``nnx.scan``, ``nn.scan`` bodies). Used by :func:`jshard.unshard` in the local view,
+    :func:`jshard.scan` and the NNX and Linen adapters.
+    """
+    if view.pregathered:
+        return list(entries)
+    raf = resolved_reshard(meta, view)
+    out = list(entries)
+    for i, layout in enumerate(meta.layouts):
+        if layout is not None and not layout.ignored:
+            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view)
+            out[i] = gather_leaf(comm, entries[i], raf)
+    return out
+
+
 def unshard_unit(unit: FSDPUnit, view: LocalView) -> Any:
     """The unit's tree with its own leaves gathered; sub-units stay units."""
-    raf = resolved_reshard(unit, view)
-    if view.pregathered:
-        return unit.with_entries(unit.own_entries())
-    entries = unit.own_entries()
-    for i, layout in enumerate(unit.meta.layouts):
-        if layout is not None and not layout.ignored:
-            comm = leaf_comm(layout, unit.meta.axes, unit.meta.policy, view)
-            entries[i] = gather_leaf(comm, entries[i], raf)
-    return unit.with_entries(entries)
+    return unit.with_entries(gather_entries(unit.meta, unit.own_entries(), view))

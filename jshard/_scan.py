@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -10,14 +9,7 @@ import jax
 
 from jshard import _context, _local
 from jshard._fully_shard import unshard
-from jshard._layout import LeafLayout
 from jshard._unit import FSDPUnit, is_unit
-
-
-def _layer_layout(layout: LeafLayout) -> LeafLayout:
-    """The layout of one layer's slice of a leaf stacked along axis 0."""
-    dim = None if layout.dim is None else layout.dim - 1
-    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim)
 
 
 def _check_stacked(units: Any) -> FSDPUnit:
@@ -69,19 +61,13 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
     view = _context.current()
     if view is None:
         return jax.lax.scan(body, init, unshard(units), **scan_kwargs)
-    raf = _local.resolved_reshard(units, view)
-    meta = units.meta
+    _local.resolved_reshard(units.meta, view)  # a unit of this step, or a clear error
     entries = units.own_entries()
     if view.pregathered:
         return jax.lax.scan(body, init, units.with_entries(entries), **scan_kwargs)
-    comms = [
-        None if layout.ignored else _local.leaf_comm(_layer_layout(layout), meta.axes, meta.policy, view)
-        for layout in meta.layouts
-    ]
 
     def step(carry, layer_entries):
-        full = [x if c is None else _local.gather_leaf(c, x, raf) for c, x in zip(comms, layer_entries, strict=True)]
-        return body(carry, units.with_entries(full))
+        return body(carry, units.with_entries(_local.gather_entries(units.meta, layer_entries, view, layer=True)))
 
     step = jax.checkpoint(step, policy=view.remat_policy)  # per iteration: see [Note: nested remat]
     return jax.lax.scan(step, init, entries, **scan_kwargs)

@@ -17,6 +17,7 @@ from jshard._layout import memory_kind, named_sharding, partition_spec
 from jshard._mesh import MeshAxes
 from jshard._offload import to_host
 from jshard._remat import remat_policy as remat_policy_of
+from jshard._segments import segmented
 from jshard._unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 
 
@@ -245,7 +246,7 @@ def _local_step(loss_fn, view, mp, has_aux, unshard_params, microbatches, params
             loss, aux, full_grads = _accumulate(loss_of, fulls, batch, microbatches)
             grads = _reduce_deferred(params, full_grads, view)
         else:
-            remat = jax.checkpoint(loss_of, policy=view.remat_policy)
+            remat = segmented(loss_of, view.remat_policy, len(jax.tree.leaves(params)))
             loss, aux, grads = _accumulate(remat, params, batch, microbatches)
         if view.skip_all_reduce:
             grads = _all_reduce_replicas(params, grads, view)

@@ -24,9 +24,7 @@ from flax.core import lift
 
 from jshard import _context
 from jshard._api import FullyShardPolicy
-from jshard._fully_shard import unshard
-from jshard._local import gather_leaf, leaf_comm
-from jshard._scan import _layer_layout
+from jshard._local import gather_entries
 from jshard._unit import FSDPUnit, is_unit
 
 Path = tuple[str, ...]
@@ -103,24 +101,14 @@ def _is_slice(x: Any, layout: Any, meta: Any) -> bool:
 def gather_params(unit: FSDPUnit, params: dict, view: Any) -> dict:
     """``params`` (this module's shards, or one layer of them) with its own leaves gathered."""
     meta, entries = unit.meta, _entries(unit)
-    values = [FSDPUnit(None, None) if is_unit(x) else _get(params, path) for path, x in entries]
+    values = [None if is_unit(x) else _get(params, path) for path, x in entries]
     own = [i for i, (_, x) in enumerate(entries) if not is_unit(x)]
     if view.pregathered or not own:
         return params
-    raf = view.reshard[id(meta)]
-    if any(_is_slice(values[i], meta.layouts[i], meta) for i in own):
-        full = {
-            i: values[i]
-            if meta.layouts[i].ignored
-            else gather_leaf(leaf_comm(_layer_layout(meta.layouts[i]), meta.axes, meta.policy, view), values[i], raf)
-            for i in own
-        }
-    else:
-        tree = jax.tree.unflatten(jax.tree.structure(unit.tree, is_leaf=is_unit), values)
-        flat = jax.tree.leaves(unshard(FSDPUnit(tree, meta)), is_leaf=is_unit)
-        full = {i: flat[i] for i in own}
-    for i, x in full.items():
-        params = _set(params, entries[i][0], x)
+    layer = any(_is_slice(values[i], meta.layouts[i], meta) for i in own)
+    full = gather_entries(meta, values, view, layer=layer)
+    for i in own:
+        params = _set(params, entries[i][0], full[i])
     return params
 
 

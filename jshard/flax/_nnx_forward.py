@@ -17,12 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import _context
-from jshard._fully_shard import unshard
-from jshard._local import gather_leaf, leaf_comm
-from jshard._scan import _layer_layout
-from jshard._unit import FSDPUnit, is_unit
+from jshard._local import gather_entries
 from jshard.flax import _nnx_context as ctx_lib
-from jshard.flax._nnx_graph import describe, nest, own_variables, unit_state
+from jshard.flax._nnx_graph import describe, own_variables, unit_state
 
 OUTSIDE_STEP = (
     "{module} is fully sharded and was called outside the step: its parameters are shards. "
@@ -105,24 +102,16 @@ def gather(module: Any, view: Any) -> list[tuple[Any, Any]]:
     """Put the module's gathered parameters in its Params; returns ``(param, shard)`` to restore."""
     state = unit_state(module)
     meta = state.meta
-    raf = _resolved(module, view)
+    _resolved(module, view)  # a unit of this step, or a clear error
     params = own_variables(module)
     own = [(i, p) for i, ((_, is_sub), p) in enumerate(zip(state.entries, params, strict=True)) if not is_sub]
     if view.pregathered or not own:
         return []
     shards = [p.get_raw_value() for _, p in own]
-    layouts = [meta.layouts[i] for i, _ in own]
-    if any(_is_slice(x, layout, meta.policy.scan_axis) for x, layout in zip(shards, layouts, strict=True)):
-        full = [
-            x if layout.ignored else gather_leaf(leaf_comm(_layer_layout(layout), meta.axes, meta.policy, view), x, raf)
-            for x, layout in zip(shards, layouts, strict=True)
-        ]
-    else:
-        pairs = zip(state.entries, params, strict=True)
-        values = [FSDPUnit(None, None) if is_sub else p.get_raw_value() for (_, is_sub), p in pairs]
-        unit = FSDPUnit(nest([(path, x) for (path, _), x in zip(state.entries, values, strict=True)]), meta)
-        flat = jax.tree.leaves(unshard(unit), is_leaf=is_unit)
-        full = [flat[i] for i, _ in own]
+    layer = any(_is_slice(x, meta.layouts[i], meta.policy.scan_axis) for (i, _), x in zip(own, shards, strict=True))
+    values = [None if is_sub else p.get_raw_value() for (_, is_sub), p in zip(state.entries, params, strict=True)]
+    flat = gather_entries(meta, values, view, layer=layer)
+    full = [flat[i] for i, _ in own]
     for (_, p), x in zip(own, full, strict=True):
         p.set_value(x)
     return [(p, x) for (_, p), x in zip(own, shards, strict=True)]

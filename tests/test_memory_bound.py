@@ -1,0 +1,80 @@
+"""FSDP's memory bound for every kind of unit, from the compiled step (``memory_analysis()``).
+
+The same tanh MLP (``tests/memory_models.py``: layers of 512 x 512 float32 = 1 MiB, batch
+256 on 8 devices) as core units in a Python loop, nested units, NNX and Linen per-module
+units, and stacked units under ``js.scan`` / ``nnx.scan`` / ``nn.scan``; compiled at 4 and
+8 layers. With ``reshard_after_forward=True`` an extra layer adds only its activations
+(never a gathered layer) and the peak stays within FSDP2's bound; ``False`` keeps each
+gathered layer by design; ``k`` keeps a copy sharded over groups of ``k``. All-gathers are
+counted in the compiled HLO: ``True`` re-gathers each layer's weight in backward.
+"""
+
+import functools
+
+import jax.numpy as jnp
+import pytest
+
+import jshard as js
+from jshard._hlo import hlo_collectives
+from tests.memory_models import BATCH, HEAD, KINDS, STACKED, W, step_memory
+
+N = 8
+LAYER = W * W * 4  # one gathered float32 layer (1 MiB)
+ACTIVATION = BATCH // N * W * 4  # one (local batch x W) float32 activation (64 KiB)
+SLACK = LAYER // 16
+MIXED = {"fp32": js.MixedPrecisionPolicy(), "bf16": js.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)}
+
+
+@functools.cache
+def measure(kind, layers, raf, precision):
+    policy = js.FullyShardPolicy(reshard_after_forward=raf, mp_policy=MIXED[precision])
+    memory, hlo = step_memory(kind, layers, policy)
+    gathers = sum(c.kind == "all-gather" for c in hlo_collectives(hlo))
+    return memory.temp_size_in_bytes, gathers
+
+
+def growth_per_layer(kind, raf, precision):
+    return (measure(kind, 8, raf, precision)[0] - measure(kind, 4, raf, precision)[0]) / 4
+
+
+def fsdp2_bound(layers):
+    """FSDP2's: about 3 gathered units + one unit's full gradient + activations + sharded grads + head."""
+    return 3 * LAYER + LAYER + layers * 3 * ACTIVATION + layers * LAYER // N + W * HEAD * 4 + SLACK
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_resharding_after_forward_grows_by_activations_only(kind, precision):
+    grown = growth_per_layer(kind, True, precision)
+    assert grown <= 3 * ACTIVATION + SLACK, (kind, grown)  # 0.06 MiB unrolled, 0.19 stacked; a layer is 1 MiB
+    for layers in (4, 8):
+        assert measure(kind, layers, True, precision)[0] <= fsdp2_bound(layers)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_not_resharding_keeps_every_gathered_layer(kind, precision):
+    itemsize = 2 if precision == "bf16" else 4
+    assert growth_per_layer(kind, False, precision) >= 0.9 * W * W * itemsize
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_copies_grow_by_k_over_n_of_a_layer(kind, precision):
+    k = 2
+    grown = growth_per_layer(kind, k, precision)
+    assert grown <= 3 * ACTIVATION + k * LAYER // N + SLACK, (kind, grown)
+    if precision == "fp32":
+        assert grown >= k * LAYER // N, (kind, grown)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_re_gathers_each_layer_unless_kept(kind):
+    """Per layer: w and b in forward, w again in backward (True); from the group copy (k)."""
+    per_layer = {True: 3, False: 2, 2: 5}
+    for raf, expected in per_layer.items():
+        four, eight = measure(kind, 4, raf, "fp32")[1], measure(kind, 8, raf, "fp32")[1]
+        if kind in STACKED:  # one gather per leaf in the loop bodies, whatever the depth
+            assert four == eight == expected + 1, (kind, raf, four)  # + the root's head
+        else:
+            assert eight - four == 4 * expected, (kind, raf, four, eight)
