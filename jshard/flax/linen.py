@@ -12,7 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +29,7 @@ from jshard._fully_shard import fully_shard as _fully_shard_tree
 from jshard._mesh import make_mesh
 from jshard._step import value_and_grad as _core_value_and_grad
 from jshard._unit import FSDPUnit, is_unit
+from jshard.flax._linen_intercept import ModuleUnits
 from jshard.flax._linen_transform import Path, StepTable, _get, _set, format_path, fsdp, planning, step_table
 
 
@@ -83,7 +86,9 @@ def _plan_units(plan: Any, params: dict) -> list[tuple[Path, Any, FullyShardPoli
     return sorted(out, key=lambda item: -len(item[0]))
 
 
-def shard_params(model: nn.Module, params: Any, *args: Any, method: Any = None, **kwargs: Any) -> FSDPUnit:
+def shard_params(
+    model: nn.Module, params: Any, *args: Any, method: Any = None, units: ModuleUnits | None = None, **kwargs: Any
+) -> FSDPUnit:
     """Shard a Linen model's params into the units its wrapped modules define.
 
     Runs ``model.apply`` abstractly (``jax.eval_shape``) on the example arguments to find
@@ -91,10 +96,14 @@ def shard_params(model: nn.Module, params: Any, *args: Any, method: Any = None, 
     sub-trees of ``params``, the root last.
 
     Args:
-      model: the Linen model (its root class wrapped with :func:`fully_shard`).
+      model: the Linen model (its root class wrapped with :func:`fully_shard`), or with
+        ``units``, a function ``(params, *args, **kwargs)`` that runs the model (e.g.
+        ``lambda p, ids: hf_model(ids, params=p)`` for a Hugging Face model).
       params: its ``params`` collection, as ``model.init`` returns it.
       *args: example arguments of the call (shapes only matter), as for ``model.init``.
       method: the method to call (default ``__call__``).
+      units: a :class:`ModuleUnits` choosing the units by module class, for models whose
+        code you do not change (then the root needs no wrapping).
       **kwargs: example keyword arguments.
 
     Returns:
@@ -118,16 +127,26 @@ def shard_params(model: nn.Module, params: Any, *args: Any, method: Any = None, 
       ('FSDPUnit', (8, 4))
     """
     params = jax.tree.map(lambda x: x, dict(params))
-    with planning() as plan:
-        jax.eval_shape(lambda p: model.apply({"params": p}, *args, method=method, **kwargs), params)
+    if isinstance(model, nn.Module):
+        call = functools.partial(model.apply, method=method)
+    elif callable(model) and method is None:
+        call = lambda variables, *a, **k: model(variables["params"], *a, **k)  # noqa: E731
+    else:
+        raise TypeError(
+            f"shard_params takes a Linen module or a function (params, *args) -> outputs, got "
+            f"{type(model).__name__}" + (" with `method` (only for modules)" if callable(model) else "") + "."
+        )
+    with planning() as plan, _intercepting(units):
+        jax.eval_shape(lambda p: call({"params": p}, *args, **kwargs), params)
     if () not in plan.specs:
         raise ValueError(
-            f"The root module {type(model).__name__} is not wrapped with jshard.flax.linen.fully_shard, so its "
+            f"The root module {getattr(type(model), '__name__', model)} is not wrapped with "
+            "jshard.flax.linen.fully_shard, so its "
             "own parameters would belong to no unit: wrap the root class too (FSDP2 shards the root last)."
         )
-    units = _plan_units(plan, params)
-    for path, mesh, policy in units:
-        inside = [p for p, _, pol in units if pol.scan_axis == 0 and len(p) < len(path) and path[: len(p)] == p]
+    planned = _plan_units(plan, params)
+    for path, mesh, policy in planned:
+        inside = [p for p, _, pol in planned if pol.scan_axis == 0 and len(p) < len(path) and path[: len(p)] == p]
         if inside:
             raise ValueError(
                 f"Linen module at `{format_path(path)}` is wrapped with fully_shard inside the stacked (nn.scan) "
@@ -135,6 +154,12 @@ def shard_params(model: nn.Module, params: Any, *args: Any, method: Any = None, 
             )
         params = _set(params, path, _fully_shard_tree(_get(params, path), mesh, policy))
     return params
+
+
+def _intercepting(units: ModuleUnits | None) -> contextlib.AbstractContextManager:
+    if units is not None and not isinstance(units, ModuleUnits):
+        raise TypeError(f"`units` must be a jshard.flax.linen.ModuleUnits, got {type(units).__name__}.")
+    return contextlib.nullcontext() if units is None else units.intercept()
 
 
 def _local_table(local: Any) -> tuple[Any, dict[Path, FSDPUnit]]:
@@ -172,6 +197,8 @@ def value_and_grad(
     microbatches: int = 1,
     requires_gradient_sync: bool = True,
     requires_all_reduce: bool = True,
+    units: ModuleUnits | None = None,
+    remat_policy: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """The FSDP step for Linen models whose modules are wrapped with :func:`fully_shard`.
 
@@ -180,8 +207,10 @@ def value_and_grad(
     *args)`` runs it inside :func:`jshard.value_and_grad` with ``params`` holding this
     device's shards in the usual nested dict; each wrapped module gathers its own when
     called. Returns ``(loss or (loss, aux), grads)`` with the layout of ``sharded``, ready
-    for ``TrainState.apply_gradients``. The other arguments are FSDP2's step controls (see
-    :func:`jshard.value_and_grad`).
+    for ``TrainState.apply_gradients``. ``units``: the :class:`ModuleUnits` the params were
+    sharded with, for models whose code you do not change. ``remat_policy``: activation
+    checkpointing, as in :func:`jshard.value_and_grad`. The other arguments are FSDP2's
+    step controls (see :func:`jshard.value_and_grad`).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -196,14 +225,14 @@ def value_and_grad(
     """
 
     def inner(local: Any, batch: Any, *args: Any):
-        plain, units = _local_table(local)
-        with step_table(StepTable(units)) as table:
+        plain, table_units = _local_table(local)
+        with step_table(StepTable(table_units)) as table, _intercepting(units):
             try:
                 out = loss_fn(plain, batch, *args)
             except ScopeParamShapeError as e:  # a module read shards: name the unit nobody gathered
-                raise _never_gathered(units, table, re.search(r'in "/([^"]*)"', str(e))) from e
-        if set(units) - table.gathered:
-            raise _never_gathered(units, table, None)
+                raise _never_gathered(table_units, table, re.search(r'in "/([^"]*)"', str(e))) from e
+        if set(table_units) - table.gathered:
+            raise _never_gathered(table_units, table, None)
         return out
 
     return _core_value_and_grad(
@@ -213,7 +242,8 @@ def value_and_grad(
         microbatches=microbatches,
         requires_gradient_sync=requires_gradient_sync,
         requires_all_reduce=requires_all_reduce,
+        remat_policy=remat_policy,
     )
 
 
-__all__ = ["fully_shard", "shard_params", "value_and_grad"]
+__all__ = ["ModuleUnits", "fully_shard", "shard_params", "value_and_grad"]
