@@ -195,9 +195,9 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
     ``nnx.scan``, ``nn.scan`` bodies). Used by :func:`jshard.unshard` in the local view,
     :func:`jshard.scan` and the NNX and Linen adapters.
     """
+    raf = resolved_reshard(meta, view)  # a unit of this step, or a clear error
     if view.pregathered:
         return list(entries)
-    raf = resolved_reshard(meta, view)
     out = list(entries)
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:

@@ -61,7 +61,7 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
     view = _context.current()
     if view is None:
         return jax.lax.scan(body, init, unshard(units), **scan_kwargs)
-    _local.resolved_reshard(units.meta, view)  # a unit of this step, or a clear error
+    _local.resolved_reshard(units.meta, view)  # a unit of this step, or a clear error (before the scan)
     entries = units.own_entries()
     if view.pregathered:
         return jax.lax.scan(body, init, units.with_entries(entries), **scan_kwargs)

@@ -1,4 +1,4 @@
-"""benchmarks.compare --quick: the JSON has every field, and jshard communicates no more than the recipe."""
+"""benchmarks.compare and benchmarks.memory_sweep, quick runs: every field, and jshard at or below the recipe."""
 
 import json
 import pathlib
@@ -31,3 +31,16 @@ def test_quick_comparison(tmp_path):
         assert jshard["collective_bytes"].get("reduce-scatter", 0) > 0
         assert jshard["peak_bytes"] <= gspmd["peak_bytes"]
     assert "| jshard |" in done.stdout
+
+
+def test_quick_memory_sweep(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory_sweep", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    models = json.loads((tmp_path / "memory_sweep.json").read_text())["models"]
+    assert {(m["stacked"], m["kind"]) for m in models} == {(True, "mlp"), (False, "mlp")}
+    for m in models:
+        peaks = m["peak_bytes"]
+        assert peaks["jshard"] <= peaks["recipe"], m["name"]  # same activation recomputation as the recipe

@@ -140,3 +140,18 @@ def test_gpt2_layers_are_gathered_one_at_a_time():
     assert grown[(False, True)] - grown[(True, True)] >= 0.9 * layer  # True frees each gathered layer
     assert grown[(True, False)] <= 0.1 * layer  # with activations recomputed, a layer adds its input only
     assert gpt2_step_memory(8, True, nothing) <= 3 * layer + layer + 2 * 2**20  # + the root unit, logits
+
+
+def test_module_units_errors_say_what_to_pass():
+    import flax.linen as nn
+
+    with pytest.raises(TypeError, match=r"ModuleUnits takes Linen module classes, got <class 'int'>.*FlaxGPT2Block"):
+        jlinen.ModuleUnits(int)
+    with pytest.raises(TypeError, match=r"`policy` must be a jshard.FullyShardPolicy, got dict"):
+        jlinen.ModuleUnits(nn.Dense, policy={})
+    with pytest.raises(TypeError, match=r"`methods` must be a tuple of method names, got '__call__'"):
+        jlinen.ModuleUnits(nn.Dense, methods="__call__")
+    with pytest.raises(TypeError, match=r"`units` must be a jshard.flax.linen.ModuleUnits, got str"):
+        jlinen.value_and_grad(lambda p, x: 0.0, units="FlaxGPT2Block")(None, None)
+    with pytest.raises(TypeError, match=r"shard_params takes a Linen module or a function .* with `method`"):
+        jlinen.shard_params(lambda p, x: x, {}, jnp.ones(2), method="encode")

@@ -126,6 +126,7 @@ def shard_params(
       >>> type(params["block"]).__name__, params["block"]["kernel"].shape
       ('FSDPUnit', (8, 4))
     """
+    _check_units(units)
     params = jax.tree.map(lambda x: x, dict(params))
     if isinstance(model, nn.Module):
         call = functools.partial(model.apply, method=method)
@@ -156,9 +157,15 @@ def shard_params(
     return params
 
 
-def _intercepting(units: ModuleUnits | None) -> contextlib.AbstractContextManager:
+def _check_units(units: Any) -> None:
     if units is not None and not isinstance(units, ModuleUnits):
-        raise TypeError(f"`units` must be a jshard.flax.linen.ModuleUnits, got {type(units).__name__}.")
+        raise TypeError(
+            f"`units` must be a jshard.flax.linen.ModuleUnits, got {type(units).__name__}; pass "
+            "units=jshard.flax.linen.ModuleUnits(LayerClass)."
+        )
+
+
+def _intercepting(units: ModuleUnits | None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if units is None else units.intercept()
 
 
@@ -223,6 +230,8 @@ def value_and_grad(
       >>> grads["kernel"].shape
       (8, 2)
     """
+
+    _check_units(units)
 
     def inner(local: Any, batch: Any, *args: Any):
         plain, table_units = _local_table(local)
