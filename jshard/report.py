@@ -23,6 +23,7 @@ import jax
 
 from jshard._analytic import Analytic, analytic
 from jshard._hlo import entry_bytes_by_memory_space
+from jshard._placement import LeafPlacement, placements
 from jshard._plan import plan as plan
 from jshard._report_hlo import CollectiveInfo, step_collectives, wire_bytes_by_kind
 from jshard._unit import all_units
@@ -89,6 +90,7 @@ class Report:
       collectives: every collective of the compiled program, in program order.
       analytic: the figures of the performance model for the step's units.
       mesh: the mesh's axis sizes.
+      placements: each parameter leaf's placement dim and padding share.
 
     Example:
       >>> import json, jax.numpy as jnp, jshard as js
@@ -105,6 +107,7 @@ class Report:
     collectives: tuple[CollectiveInfo, ...]
     analytic: Analytic
     mesh: dict[str, int]
+    placements: tuple[LeafPlacement, ...] = ()
 
     @property
     def collective_bytes(self) -> dict[str, float]:
@@ -150,11 +153,16 @@ class Report:
             CollectiveInfo(**{**fields(CollectiveInfo, c), "shapes": tuple(tuple(s) for s in c["shapes"])})
             for c in data["collectives"]
         )
+        placed = tuple(
+            LeafPlacement(p["path"], tuple(p["shape"]), tuple(p["stored"]), p["dim"], p["padding_share"])
+            for p in data.get("placements", ())
+        )
         return cls(
             memory=Memory(**fields(Memory, data["memory"])),
             collectives=collectives,
             analytic=Analytic(**fields(Analytic, data["analytic"])),
             mesh=dict(data["mesh"]),
+            placements=placed,
         )
 
     def __str__(self) -> str:
@@ -203,7 +211,24 @@ def format_report(report: Report) -> str:
             f"  {c.kind:<15}{c.dtype + upcast:<27} [{shapes}] groups of {c.group_size}{loop}: "
             f"{c.bytes:,} B, wire {_mib(c.wire_bytes_per_step).strip()}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _placement_lines(report.placements))
+
+
+_PLACEMENTS_SHOWN = 12
+
+
+def _placement_lines(placed: tuple[LeafPlacement, ...]) -> list[str]:
+    """The leaves by padding share, most wasteful first (the first dozen)."""
+    if not placed:
+        return []
+    lines = ["", f"placement per leaf ({len(placed)} leaves; most padding first): shape -> stored, split dim, "
+             "share of the stored leaf that is padding"]
+    for p in sorted(placed, key=lambda p: -p.padding_share)[:_PLACEMENTS_SHOWN]:
+        dim = "replicated" if p.dim is None else f"dim {p.dim}"
+        lines.append(f"  {p.path:<40} {p.shape} -> {p.stored}, {dim}, {p.padding_share:.1%} padding")
+    if len(placed) > _PLACEMENTS_SHOWN:
+        lines.append(f"  ... {len(placed) - _PLACEMENTS_SHOWN} more (Report.placements has them all)")
+    return lines
 
 
 def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, microbatches: int = 1) -> Report:
@@ -240,6 +265,7 @@ def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, micr
         collectives=tuple(step_collectives(compiled.as_text(), lowered.as_text())),
         analytic=analytic(params, args, shardings, microbatches),
         mesh={str(k): int(v) for k, v in mesh.shape.items()},
+        placements=placements(params),
     )
 
 

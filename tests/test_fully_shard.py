@@ -181,9 +181,9 @@ def test_errors_name_the_leaf_shape_axis_and_fix():
         js.fully_shard(js.fully_shard(sub))
     with pytest.raises(ValueError, match=r"`reshard_after_forward=3` must divide the shard size"):
         js.fully_shard(sub, mesh, js.FullyShardPolicy(reshard_after_forward=3))
-    stacked_dim = r"Leaf \['w'\] of shape \(4,\), sharded .*: placement dim 0 is the stacked layer axis"
+    stacked_dim = r"Leaf \['w'\] of shape \(4, 3\), sharded .*: placement dim 0 is the stacked layer axis"
     with pytest.raises(ValueError, match=stacked_dim):
-        js.fully_shard({"w": jnp.ones(4)}, policy=js.FullyShardPolicy(scan_axis=0, shard_placement_fn=lambda p, x: 0))
+        js.fully_shard({"w": jnp.ones((4, 3))}, policy=js.FullyShardPolicy(scan_axis=0, shard_placement_fn=lambda p, x: 0))
     with pytest.raises(ValueError, match=r"Leaf \['s'\] of shape \(\), .*no stacked layer axis 0"):
         js.fully_shard({"s": jnp.ones(())}, policy=js.FullyShardPolicy(scan_axis=0))
     sharded = js.fully_shard(sub)
@@ -196,3 +196,49 @@ def test_bad_input_leaves_original_untouched():
     with pytest.raises(ValueError):
         js.fully_shard(params)
     assert params["w"].shape == (3, 4) and params["bad"] == "x"
+
+
+def test_default_placement_avoids_a_dim_that_would_be_mostly_padding():
+    """API.md's rule: dim 0 unless more than half of the devices would hold only padding there
+    while another dim is at least N; then the largest such dim (the first of equal ones)."""
+    params = {
+        "conv": jnp.ones((3, 3, 16, 32)),  # Flax (H, W, in, out): not split on H (5/8 of it would be zeros)
+        "pointwise": jnp.ones((1, 1, 16, 16)),  # equal dims: the first
+        "odd": jnp.ones((7, 15)),  # FSDP2's own shape keeps dim 0
+        "small": jnp.ones((3, 5)),  # no other dim reaches N: dim 0
+    }
+    sharded = js.fully_shard(params)
+    dims = {k: v.sharding.spec.index("fsdp") for k, v in sharded.tree.items()}
+    assert dims == {"conv": 3, "pointwise": 2, "odd": 0, "small": 0}
+    assert sharded["conv"].shape == (3, 3, 16, 32) and sharded["odd"].shape == (8, 15)
+    stack = js.fully_shard({"k": jnp.ones((4, 1, 1, 8, 24))}, policy=js.FullyShardPolicy(scan_axis=0))
+    assert stack["k"].sharding.spec.index("fsdp") == 4  # the rule on the dims after the layer axis
+    assert jax.tree.all(jax.tree.map(jnp.array_equal, js.unshard(sharded), params))
+
+
+def test_placement_fn_is_asked_only_about_leaves_with_a_dim_to_split():
+    asked = []
+
+    def place(path, leaf):
+        asked.append(jax.tree_util.keystr(path))
+        return 0
+
+    sharded = js.fully_shard({"s": jnp.float32(2.0), "w": jnp.ones((3, 4)), "e": jnp.ones((0, 4))},
+                             policy=js.FullyShardPolicy(shard_placement_fn=place))
+    assert asked == ["['w']"]
+    assert sharded["s"].shape == () and sharded["e"].shape == (0, 4)
+
+
+def test_a_leaf_with_a_zero_size_dim_stays_replicated_and_trains():
+    params = {"w": jnp.linspace(-1.0, 1.0, 32).reshape(4, 8), "e": jnp.zeros((0, 5))}
+    sharded = js.fully_shard(params)
+    assert sharded["e"].sharding.spec == jax.P()
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"])) + jnp.sum(p["e"])
+
+    loss, grads = jax.jit(js.value_and_grad(loss_fn))(sharded, jnp.ones((16, 4)))
+    ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, jnp.ones((16, 4)))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(js.unshard(grads)["w"], ref_grads["w"], rtol=1e-5, atol=1e-7)
+    assert grads["e"].shape == (0, 5)

@@ -147,3 +147,15 @@ def test_plan_1b_on_64_devices_without_allocating():
     # The 64 devices together would hold far more than the planning process ever did.
     assert child_rss < 64 * report.memory.peak / 10
     assert before <= child_rss or before > 0
+
+
+def test_report_shows_each_leafs_placement_and_padding_share():
+    params = js.fully_shard({"conv": jnp.ones((3, 3, 4, 16)), "odd": jnp.ones((7, 15))})
+    grad_fn = js.value_and_grad(lambda p, x: jnp.sum(p["conv"]) * jnp.mean(x @ p["odd"]))
+    report = step_report(grad_fn, params, jnp.ones((8, 7)))
+    placed = {p.path: (p.dim, p.stored, round(p.padding_share, 4)) for p in report.placements}
+    assert placed == {".tree['conv']": (3, (3, 3, 4, 16), 0.0), ".tree['odd']": (0, (8, 15), 0.125)}
+    text = str(report)
+    assert "placement per leaf (2 leaves; most padding first)" in text
+    assert ".tree['odd']" in text.split("placement per leaf")[1].splitlines()[1]  # the most padded first
+    assert Report.from_dict(json.loads(report.to_json())) == report
