@@ -183,7 +183,8 @@ def test_errors_name_the_leaf_shape_axis_and_fix():
         js.fully_shard(sub, mesh, js.FullyShardPolicy(reshard_after_forward=3))
     stacked_dim = r"Leaf \['w'\] of shape \(4, 3\), sharded .*: placement dim 0 is the stacked layer axis"
     with pytest.raises(ValueError, match=stacked_dim):
-        js.fully_shard({"w": jnp.ones((4, 3))}, policy=js.FullyShardPolicy(scan_axis=0, shard_placement_fn=lambda p, x: 0))
+        policy = js.FullyShardPolicy(scan_axis=0, shard_placement_fn=lambda p, x: 0)
+        js.fully_shard({"w": jnp.ones((4, 3))}, policy=policy)
     with pytest.raises(ValueError, match=r"Leaf \['s'\] of shape \(\), .*no stacked layer axis 0"):
         js.fully_shard({"s": jnp.ones(())}, policy=js.FullyShardPolicy(scan_axis=0))
     sharded = js.fully_shard(sub)
