@@ -62,7 +62,9 @@ class FSDPUnit:
         return cls(children[0], meta)
 
     def __getitem__(self, key):
-        return self.tree[key]
+        value = self.tree[key]
+        _check_read(self, key, value)
+        return value
 
     def __contains__(self, key) -> bool:
         """``key in unit`` is ``key in unit.tree`` (Flax's ``TrainState`` asks this of params)."""
@@ -78,6 +80,49 @@ class FSDPUnit:
     def with_entries(self, entries: list[Any]) -> Any:
         """``unit.tree`` with its own entries replaced (a plain tree, not a unit)."""
         return jax.tree.unflatten(jax.tree.structure(self.tree, is_leaf=is_unit), entries)
+
+
+READ_SHARD = (
+    "Leaf [{key!r}] of shape {shape} was read from its unit inside the step without js.unshard, so it "
+    "holds this device's shard {local} (of the padded {padded}, split over mesh axis {axis!r} of size "
+    "{n}), not the parameter. Call js.unshard(unit) right before using it (js.scan for stacked units), "
+    "or use js.value_and_grad(loss_fn) with unshard_params=True to receive full parameters."
+)
+READ_PADDED = (
+    "Leaf [{key!r}] of shape {shape} is stored padded to {padded} (split over mesh axis {axis!r} of "
+    "size {n}), and it was read under jax.grad / jax.value_and_grad of sharded parameters, which would "
+    "differentiate the padded global arrays. Use js.value_and_grad(loss_fn)(sharded, batch) instead: "
+    "it gathers each unit, unpads it and reduce-scatters its gradient."
+)
+
+
+_DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")  # JAX's tracers under jax.grad / jvp / linearize
+
+
+def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
+    """Refuse the two common ways of reading a leaf as a parameter when it is not one."""
+    from jshard import _context  # the local view imports units' helpers; look it up at call time
+
+    layout = _own_layout(unit, key)
+    if layout is None or not layout.sharded or layout.ignored or not hasattr(value, "shape"):
+        return
+    view = _context.current()
+    facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
+             "axis": unit.meta.axes.shard[0] if len(unit.meta.axes.shard) == 1 else unit.meta.axes.shard,
+             "n": unit.meta.axes.shard_size}
+    if view is not None and not view.pregathered and tuple(value.shape) != layout.shape:
+        raise RuntimeError(READ_SHARD.format(**facts))
+    if view is None and layout.padding and type(value).__name__ in _DIFFERENTIATED:
+        raise RuntimeError(READ_PADDED.format(**facts))
+
+
+def _own_layout(unit: FSDPUnit, key: Any) -> LeafLayout | None:
+    """The layout of ``unit.tree[key]`` when it is one of the unit's own leaves."""
+    flat = jax.tree_util.tree_flatten_with_path(unit.tree, is_leaf=is_unit)[0]
+    for i, (path, _) in enumerate(flat):
+        if len(path) == 1 and getattr(path[0], "key", getattr(path[0], "idx", None)) == key:
+            return unit.meta.layouts[i] if i < len(unit.meta.layouts) else None
+    return None
 
 
 def is_unit(x: Any) -> bool:
