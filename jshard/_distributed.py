@@ -112,13 +112,16 @@ def _launcher_args() -> dict[str, Any]:
     }
 
 
+UNCAUGHT = "[jshard] process {process_id}: uncaught {kind}; "  # the launcher reads it to name who failed first
+
+
 def _exit_at_once_on_uncaught(process_id: int) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
         previous(kind, value, tb)
         print(
-            f"[jshard] process {process_id}: uncaught {kind.__name__}; exiting now instead of waiting at "
+            UNCAUGHT.format(process_id=process_id, kind=kind.__name__) + "exiting now instead of waiting at "
             "JAX's shutdown barrier (the other processes stop after the heartbeat timeout, or at once "
             "under jshard.launch).",
             file=sys.stderr,

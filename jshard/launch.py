@@ -28,6 +28,7 @@ __all__ = ["initialize", "launch", "main"]
 
 _VALUED = {"--nproc", "--devices-per-proc", "--port", "--heartbeat-timeout", "--init-timeout", "--timeout"}
 _GRACE_S = 5.0
+_SETTLE_S = 0.3
 
 
 def free_port() -> int:
@@ -57,9 +58,13 @@ def _child_env(i: int, nproc: int, devices: int, port: int, heartbeat_s: int, in
     return env
 
 
-def _pump(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+def _pump(stream: IO[bytes], index: int, out: IO[str], lock: threading.Lock, raised: dict[int, tuple]) -> None:
+    """Copy a process's output with its ``[i]`` prefix; note when it reports an uncaught exception."""
+    prefix, marker = f"[{index}] ", D.UNCAUGHT.format(process_id=index, kind="")[: -len("; ")]
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace")
+        if line.startswith(marker):
+            raised.setdefault(index, (time.monotonic(), line[len(marker) :].split(";")[0]))
         with lock:
             out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
             out.flush()
@@ -86,16 +91,32 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _watch(procs: list[subprocess.Popen], timeout_s: float | None, say) -> int:
+def _first_failure(procs: list[subprocess.Popen], raised: dict[int, tuple]) -> tuple[int, int]:
+    """``(index, code)`` of the process that failed first: the first to report an uncaught exception
+    (a process whose collective failed because of it exits too, often in the same instant), else
+    the lowest index among those that exited non-zero."""
+    time.sleep(_SETTLE_S)  # let the pumps read what the failed processes printed last
+    if raised:
+        first = min(raised, key=lambda i: raised[i][0])
+        try:
+            return first, procs[first].wait(timeout=_GRACE_S) or 1  # it is exiting: its hook calls os._exit(1)
+        except subprocess.TimeoutExpired:
+            return first, 1
+    failed = {i: p.poll() for i, p in enumerate(procs) if p.poll()}
+    first = min(failed)
+    return first, failed[first]
+
+
+def _watch(procs: list[subprocess.Popen], timeout_s: float | None, say, raised: dict[int, tuple]) -> int:
     start = time.monotonic()
     while True:
-        for i, p in enumerate(procs):
-            rc = p.poll()
-            if rc:
-                others = sum(q.poll() is None for q in procs)
-                say(f"process {i} exited with code {rc} after {time.monotonic() - start:.1f} s; "
-                    f"terminating the other {others} running process(es).")
-                return _exit_code(rc)
+        if any(p.poll() for p in procs):
+            i, rc = _first_failure(procs, raised)
+            cause = f" (uncaught {raised[i][1]}, reported first)" if i in raised else ""
+            others = sum(q.poll() is None for q in procs)
+            say(f"process {i} failed first{cause}: exit code {rc} after {time.monotonic() - start:.1f} s; "
+                f"terminating the other {others} running process(es).")
+            return _exit_code(rc)
         if all(p.poll() == 0 for p in procs):
             return 0
         if timeout_s is not None and time.monotonic() - start > timeout_s:
@@ -155,6 +176,7 @@ def launch(
 
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    raised: dict[int, tuple] = {}
     restore = _raise_on_sigterm()
     try:
         for i in range(nproc):
@@ -162,9 +184,9 @@ def launch(
             p = subprocess.Popen([*prefix, *target], env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
             procs.append(p)
-            pumps.append(threading.Thread(target=_pump, args=(p.stdout, f"[{i}] ", out, lock), daemon=True))
+            pumps.append(threading.Thread(target=_pump, args=(p.stdout, i, out, lock, raised), daemon=True))
             pumps[-1].start()
-        return _watch(procs, timeout_s, say)
+        return _watch(procs, timeout_s, say, raised)
     except KeyboardInterrupt:
         say("interrupted; terminating every process.")
         return 130

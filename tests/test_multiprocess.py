@@ -214,8 +214,17 @@ def test_launcher_prefixes_output_and_stops_the_others_when_one_fails(tmp_path):
     rc, log, seconds = _launch(tmp_path, args, timeout_s=60)
     assert rc == 17, log
     assert "[0] hello from 0" in log and "[1] hello from 1" in log and "[1] failing" in log
-    assert "[launch] process 1 exited with code 17" in log and "terminating the other 1 running process(es)" in log
+    assert "[launch] process 1 failed first: exit code 17" in log
+    assert "terminating the other 1 running process(es)" in log
     assert seconds < 30  # process 0 would have slept for 600 s
+
+
+def test_launcher_names_the_process_that_raised_first(tmp_path):
+    """Process 0 exits first (its collective failed) but process 1 raised first: the launcher names 1."""
+    args = ["--nproc", "2", "--no-auto-init", str(SCRIPTS / "raise_first.py"), str(tmp_path / "flag")]
+    rc, log, _ = _launch(tmp_path, args, timeout_s=60)
+    assert "[launch] process 1 failed first (uncaught ValueError, reported first): exit code 1" in log, log
+    assert rc == 1
 
 
 def test_launcher_timeout_stops_every_process(tmp_path):
