@@ -85,7 +85,7 @@ def full_state_dict(tree: Any, *, process0_only: bool = False) -> Any | None:
 
 def _check_full(record: Record, value: Any) -> np.ndarray:
     value = np.asarray(value)
-    want_dtype = record.layout.dtype if record.layout is not None else np.dtype(record.leaf.dtype)
+    want_dtype = record.layout.dtype if record.layout is not None else np.asarray(record.leaf).dtype
     if value.shape != record.shape or value.dtype != want_dtype:
         raise ValueError(
             f"Leaf {record.name}: the full state dict has shape {value.shape} and dtype {value.dtype}, but `like` "
@@ -103,6 +103,8 @@ def _from_host(record: Record, value: Any) -> Any:
         widths[layout.dim] = (0, layout.padding)
         host = np.pad(host, widths)
     if sharding is None:
+        if isinstance(record.leaf, bool | int | float | complex):  # a Python scalar (a step count) stays one
+            return type(record.leaf)(host.item())
         return host if isinstance(record.leaf, np.ndarray | np.generic) else jax.numpy.asarray(host)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

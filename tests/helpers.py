@@ -37,3 +37,19 @@ def assert_torch_layout(stored, original: np.ndarray, mesh, shard_axes: tuple[st
         np.testing.assert_array_equal(np.asarray(shard.data), chunks[i])
         seen.add(i)
     assert seen == set(range(n))
+
+
+def run_nnx_blocks(blocks, x, scan: bool):
+    """NNX blocks as the NNX docs run them: ``nnx.scan`` over stacked blocks, or a Python loop."""
+    from flax import nnx
+
+    if scan:
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return forward(x, blocks)
+    for block in blocks:
+        x = block(x)
+    return x

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from helpers import run_nnx_blocks
 
 import jshard as js
 from jshard.flax import linen as jlinen
@@ -99,17 +100,7 @@ class NnxMLP(nnx.Module):
         self.head = nnx.Linear(W, HEAD, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
-        if self.scan:
-
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def forward(x, block):
-                return block(x)
-
-            x = forward(x, self.blocks)
-        else:
-            for block in self.blocks:
-                x = block(x)
-        return self.head(x)
+        return self.head(run_nnx_blocks(self.blocks, x, self.scan))
 
 
 def _nnx(layers, policy, scan):

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import run_nnx_blocks
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jshard as js
@@ -77,18 +78,7 @@ class Transformer(nnx.Module):
             self.head = nnx.Linear(cfg.dim, cfg.vocab, rngs=rngs)
 
     def __call__(self, tokens):
-        x = self.embed(tokens) + self.pos[...]
-        if self.cfg.scan:
-
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def forward(x, block):
-                return block(x)
-
-            x = forward(x, self.blocks)
-        else:
-            for block in self.blocks:
-                x = block(x)
-        x = self.ln_f(x)
+        x = self.ln_f(run_nnx_blocks(self.blocks, self.embed(tokens) + self.pos[...], self.cfg.scan))
         return self.embed.attend(x) if self.cfg.tied else self.head(x)
 
 
@@ -512,7 +502,8 @@ def test_error_module_shared_by_two_parents():
         jnnx.fully_shard(Pair(shared, shared))
     first, second = Pair(shared, nnx.Linear(8, 8, rngs=nnx.Rngs(1))), Pair(nnx.Linear(8, 8, rngs=nnx.Rngs(2)), shared)
     jnnx.fully_shard(first)
-    with pytest.raises(ValueError, match=shared_by_two.format("right", r"a sub-unit of the root module \(Pair\)")):
+    earlier = r"`left` of another root module \(Pair\), sharded earlier"  # not this root: the other parent
+    with pytest.raises(ValueError, match=shared_by_two.format("right", earlier)):
         jnnx.fully_shard(second)
     plain = nnx.Linear(8, 8, rngs=nnx.Rngs(3))
     jnnx.fully_shard(Pair(plain, nnx.Linear(8, 8, rngs=nnx.Rngs(4))))
@@ -532,3 +523,27 @@ def test_error_step_misuse():
         jnnx.fully_shard({"w": jnp.ones(3)})
     with pytest.raises(ValueError, match=r"register_fsdp_forward_method got Linear, which is not fully sharded"):
         jnnx.register_fsdp_forward_method(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "__call__")
+
+
+class Normed(nnx.Module):
+    def __init__(self, axis_name, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(self.lin(x))
+
+
+def test_batch_norm_statistics_are_per_device_unless_named_over_the_mesh_axis():
+    """docs/flax.md: inside the step each device normalises with its own batch's statistics;
+    ``axis_name="fsdp"`` (the data-parallel axes) gives the global batch's, as unsharded training."""
+    x = jax.random.normal(jax.random.key(0), (16, 4)) * jnp.arange(1.0, 17.0)[:, None]
+    loss = lambda m, x: jnp.mean(m(x) ** 2)  # noqa: E731
+    reference = Normed(None, nnx.Rngs(0))
+    ref_loss, _ = nnx.value_and_grad(loss)(reference, x)
+    per_device, _ = jnnx.value_and_grad(loss)(jnnx.fully_shard(Normed(None, nnx.Rngs(0))), x)
+    model = jnnx.fully_shard(Normed("fsdp", nnx.Rngs(0)))
+    global_batch, _ = jnnx.value_and_grad(loss)(model, x)
+    assert abs(float(per_device) - float(ref_loss)) > 1e-5
+    np.testing.assert_allclose(global_batch, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], atol=1e-6)  # running stats too

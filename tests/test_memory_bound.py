@@ -13,10 +13,10 @@ import functools
 
 import jax.numpy as jnp
 import pytest
+from memory_models import BATCH, HEAD, KINDS, STACKED, W, step_memory
 
 import jshard as js
 from jshard._hlo import hlo_collectives
-from tests.memory_models import BATCH, HEAD, KINDS, STACKED, W, step_memory
 
 N = 8
 LAYER = W * W * 4  # one gathered float32 layer (1 MiB)

@@ -162,3 +162,11 @@ def test_errors_name_the_leaf_and_the_fix():
     with pytest.raises(ValueError, match=r"Leaf \['block'\]\['b'\]: the sharded state dict holds shape \(16, 3\).*"
                                          r"load_full_state_dict or jshard.checkpoint"):
         load_sharded_state_dict(sharded_state_dict(sharded), other)
+
+
+def test_a_python_scalar_in_the_state_round_trips():
+    """docs/checkpoint.md's state holds a Python int step; loading used to fail on its missing dtype."""
+    like = {"params": js.fully_shard({"w": jnp.arange(10.0).reshape(5, 2)}), "step": 3}
+    loaded = load_full_state_dict(full_state_dict(like), like)
+    assert loaded["step"] == 3 and type(loaded["step"]) is int
+    np.testing.assert_array_equal(js.unshard(loaded["params"])["w"], np.arange(10.0).reshape(5, 2))

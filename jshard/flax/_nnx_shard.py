@@ -64,7 +64,7 @@ def _collect(module: Any) -> tuple[list[tuple[Path, Any]], list[tuple[Path, Any]
             if id(node) in subs:
                 raise _shared_error(module, path, f"at `{format_path(subs[id(node)][0])}`")
             if unit_state(node).parent is not None:
-                raise _shared_error(module, path, f"a sub-unit of {unit_state(node).parent}")
+                raise _shared_error(module, path, f"{unit_state(node).parent}, sharded earlier")
             subs[id(node)] = (path, node)
         elif isinstance(node, nnx.Param):
             own_ids.setdefault(id(node), path)
@@ -106,14 +106,16 @@ def _guard(param: Any, layout: Any, meta: Any) -> None:
 def _stamp(module: Any, subs: list[tuple[Path, Any]]) -> None:
     """Record, for later checks and messages, who owns what."""
     owner = describe(module)
+    other_owner = owner.replace("the root module", "another root module")  # as the next fully_shard names it
     for path, node in walk(module):
         if isinstance(node, nnx.Module) and unit_state(node) is None:
             object.__setattr__(node, "_jshard_member", (owner, format_path(path)))
     for path, node in walk(module, stop_at_units=False):
         if isinstance(node, GuardedParam):
             node.set_metadata(jshard_path=format_path(path))
-    for _, sub in subs:
-        set_unit_state(sub, dataclasses.replace(unit_state(sub), parent=owner))
+    for sub_path, sub in subs:
+        parent = f"`{format_path(sub_path)}` of {other_owner}"
+        set_unit_state(sub, dataclasses.replace(unit_state(sub), parent=parent))
     for path, node in nnx.iter_modules(module):
         if path and unit_state(node) is not None:
             set_unit_state(node, dataclasses.replace(unit_state(node), name=format_path(path)))
