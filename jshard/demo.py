@@ -9,7 +9,9 @@ compiled steps) as a table and a PNG, and finally text sampled from the model.
 
 Flags: ``--steps``, ``--size tiny|small|medium``, ``--mixed-precision`` (bf16
 parameters for compute and gathers, fp32 gradient reduction), ``--offload`` (sharded
-state in host memory, ``CPUOffloadPolicy``), ``--out`` (the PNG's path).
+state in host memory, ``CPUOffloadPolicy``), ``--out-dir`` (the folder for what it writes, printed
+at the end: ``memory.png``; default ``./jshard-demo-out``). Off a terminal (a log file, CI) the
+progress bar becomes a line every tenth of the run.
 """
 
 from __future__ import annotations
@@ -143,7 +145,18 @@ def _memory_table(replicated: Any, sharded: Any, devices: int) -> str:
         lines.append(f"  {label:<44}{a / 2**20:12.3f}{b / 2**20:12.3f}{(b / a if a else 0):8.2f}")
     if sharded.host_argument:
         lines.append(f"  {'jshard state in host memory (offload)':<44}{'':>12}{sharded.host_argument / 2**20:12.3f}")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"  {line}" for line in _TABLE_NOTES.format(n=devices).splitlines()])
+
+
+_TABLE_NOTES = """\
+arguments: what the step is given; jshard keeps 1/{n} of the parameters and optimizer state per
+  device (plus the padding of uneven dims), replicated keeps all of it on every device.
+temporaries: what the step allocates while it runs. Both hold activations; jshard also holds the
+  gathered parameters of the unit being computed (the root unit, embeddings and head, stays
+  gathered), that unit's full gradient before its reduce-scatter, and the collectives' buffers,
+  none of which replicated training needs: so jshard's are larger while its peak is smaller.
+outputs: the updated parameters and optimizer state, as large as the arguments.
+peak: all of it at once (at most): the figure that decides whether a model fits."""
 
 
 def _plot_memory(replicated: Any, sharded: Any, devices: int, path: pathlib.Path) -> pathlib.Path:
@@ -197,6 +210,29 @@ def _sample(params: Any, config: Any, vocab: Vocab, prompt: list[int], length: i
     return vocab.decode(out)
 
 
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere (logs, CI) a plain line every tenth of the run."""
+
+    def __init__(self, steps: int):
+        import sys
+
+        from tqdm import tqdm
+
+        self.steps, self.every = steps, max(1, steps // 10)
+        self.bar = tqdm(total=steps, desc="training", unit="step", dynamic_ncols=True) if sys.stderr.isatty() else None
+
+    def update(self, i: int, loss: float, rate: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tokens_per_s=f"{rate:,.0f}")
+        elif (i + 1) % self.every == 0 or i + 1 == self.steps:
+            print(f"training: step {i + 1}/{self.steps}, loss {loss:.3f}, {rate:,.0f} tokens/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _batches(ids: Any, batch: int, seq_len: int, seed: int = 0):
     import numpy as np
 
@@ -211,7 +247,6 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-    from tqdm import tqdm
 
     import jshard as js
     from jshard import _transformer as T
@@ -245,19 +280,20 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps or DEFAULT_STEPS[args.size]
     losses, tokens = [], first
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc="training", unit="step", dynamic_ncols=True)
-    for i in bar:
+    progress = _Progress(steps)
+    for i in range(steps):
         params, opt_state, loss = step(params, opt_state, tokens)
         tokens = jax.device_put(next(batches), data_sharding)
         losses.append(float(loss))
         rate = (i + 1) * batch * config.seq_len / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tokens_per_s=f"{rate:,.0f}")
-    bar.close()
+        progress.update(i, losses[-1], rate)
+    progress.close()
     print(f"loss: {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {steps} "
           f"({rate:,.0f} tokens/s over {time.perf_counter() - start:.1f} s)")
     print(_memory_table(replicated_memory, sharded_memory, devices))
-    path = _plot_memory(replicated_memory, sharded_memory, devices, pathlib.Path(args.out))
-    print(f"memory plot: {path.resolve()}")
+    out_dir = pathlib.Path(args.out_dir)
+    path = _plot_memory(replicated_memory, sharded_memory, devices, out_dir / "memory.png")
+    print(f"outputs in {out_dir.resolve()}: memory plot {path.name}")
     end = max(text.find("Shall I compare thee"), config.seq_len)  # the sample goes on from sonnet 18's first words
     prompt = ids[end - config.seq_len : end + len("Shall I")].tolist()
     text_out = _sample(js.unshard(params), config, vocab, prompt, args.sample_chars, args.seed)
@@ -272,7 +308,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", choices=sorted(DEFAULT_STEPS), default="small")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 params and gathers, fp32 reduction")
     parser.add_argument("--offload", action="store_true", help="sharded state in host memory (CPUOffloadPolicy)")
-    parser.add_argument("--out", default="jshard_demo_memory.png", help="where to write the memory plot")
+    parser.add_argument("--out-dir", default="jshard-demo-out", help="folder for the demo's outputs (the memory plot)")
     parser.add_argument("--batch", type=int, default=None, help="global batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--sample-chars", type=int, default=300)

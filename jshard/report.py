@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     parser = argparse.ArgumentParser(prog="python -m jshard.report", description=main.__doc__.splitlines()[0])
     parser.add_argument("--plan", action="store_true", help="compile-only plan (the only mode)")
-    parser.add_argument("--size", default="1b", help="model size: tiny, small, medium or 1b")
+    from jshard._transformer import SIZES
+
+    parser.add_argument("--size", default="1b", choices=list(SIZES), help="model size (default 1b)")
     parser.add_argument("--devices", type=int, default=64)
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per device)")

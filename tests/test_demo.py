@@ -12,13 +12,12 @@ import jshard.demo as demo
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    out = tmp_path / "memory.png"
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     done = subprocess.run(
-        [sys.executable, "-m", "jshard.demo", "--steps", "3", "--size", "tiny", "--out", str(out),
-         "--sample-chars", "40"],
+        [sys.executable, "-m", "jshard.demo", "--steps", "3", "--size", "tiny", "--sample-chars", "40"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
+    out = tmp_path / "jshard-demo-out" / "memory.png"  # the default folder, in the working directory
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout
     assert "8 CPU devices" in text  # the demo asked for 8 simulated devices itself
@@ -28,10 +27,13 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "per-device memory over 8 devices" in text
     peak = re.search(r"peak \(arguments \+ outputs \+ temporaries\)\s+([\d.]+)\s+([\d.]+)", text)
     assert float(peak.group(2)) < float(peak.group(1))  # jshard below replicated
-    assert f"memory plot: {out.resolve()}" in text
+    assert f"outputs in {out.parent.resolve()}: memory plot memory.png" in text
     assert out.stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jshard-demo-out"]  # nothing else written
+    assert "temporaries: what the step allocates while it runs" in text  # every figure explained
     assert "sample (after" in text
-    assert "training" in done.stderr  # the tqdm bar
+    # stderr is not a terminal here: plain progress lines, no bar frames
+    assert "training: step 3/3, loss" in text and "\r" not in done.stderr and len(done.stderr) < 2000
 
 
 def test_mixed_precision_and_offload_flags(tmp_path):
@@ -39,7 +41,7 @@ def test_mixed_precision_and_offload_flags(tmp_path):
     # float to its int32 step count, which the tests' strict promotion refuses.
     with jax.numpy_dtype_promotion("standard"):
         result = demo.main(["--steps", "2", "--size", "tiny", "--mixed-precision", "--offload",
-                            "--out", str(tmp_path / "m.png"), "--sample-chars", "5"])
+                            "--out-dir", str(tmp_path), "--sample-chars", "5"])
     assert all(math.isfinite(x) for x in result["losses"])
     sharded, replicated = result["jshard"], result["replicated"]
     assert sharded.host_argument > 0  # optimizer state and parameters offloaded

@@ -159,3 +159,14 @@ def test_report_shows_each_leafs_placement_and_padding_share():
     assert "placement per leaf (2 leaves; most padding first)" in text
     assert ".tree['odd']" in text.split("placement per leaf")[1].splitlines()[1]  # the most padded first
     assert Report.from_dict(json.loads(report.to_json())) == report
+
+
+def test_plan_size_is_checked_by_the_command_line():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "jshard.report", "--plan", "--size", "2b"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "argument --size: invalid choice: '2b'" in done.stderr  # not a KeyError traceback
+    assert all(size in done.stderr for size in ("tiny", "small", "medium", "1b"))
