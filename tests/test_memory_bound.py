@@ -78,3 +78,31 @@ def test_backward_re_gathers_each_layer_unless_kept(kind):
             assert four == eight == expected + 1, (kind, raf, four)  # + the root's head
         else:
             assert eight - four == 4 * expected, (kind, raf, four, eight)
+
+
+def _entry_schedule(hlo: str) -> list[tuple[str, str]]:
+    """``(op, result shape)`` of the compiled entry computation's instructions, in schedule order."""
+    entry = hlo[hlo.index("ENTRY") :].split("\n}", 1)[0]
+    out = []
+    for line in entry.splitlines()[1:]:
+        if " = " in line:
+            shape, op = line.split(" = ", 1)[1].split()[:2]
+            out.append((op.split("(")[0], shape.split("{")[0]))
+    return out
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in STACKED])
+def test_compiled_schedule_gathers_each_layer_when_it_runs(kind):
+    """Unrolled: no weight is gathered before the previous layer has computed, and in backward each
+    layer's re-gather waits for the previous layer's reduce-scatter."""
+    _, hlo = step_memory(kind, 4, js.FullyShardPolicy(reshard_after_forward=True))
+    schedule = _entry_schedule(hlo)
+    weight, activation = f"f32[{W},{W}]", f"f32[{BATCH // N},{W}]"
+    first_rs = next(i for i, (op, _) in enumerate(schedule) if op == "reduce-scatter")
+    gathers = [i for i, (op, shape) in enumerate(schedule) if op == "all-gather" and shape == weight]
+    forward, backward = [i for i in gathers if i < first_rs], [i for i in gathers if i > first_rs]
+    assert len(forward) == 4 and len(backward) >= 2, (forward, backward)
+    for a, b in zip(forward, forward[1:], strict=False):
+        assert any(shape == activation for _, shape in schedule[a:b]), (kind, a, b)  # a layer ran between
+    for a, b in zip(backward, backward[1:], strict=False):
+        assert any(op == "reduce-scatter" for op, _ in schedule[a:b]), (kind, a, b)  # a layer finished between
