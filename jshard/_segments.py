@@ -108,10 +108,13 @@ def _evaluator(seg: _Segment, effects: Any) -> Callable[..., list[Any]]:
     return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
 
 
-def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, fresh: set[Any], values: list[Any]) -> list[Any]:
-    """Run one segment as a ``custom_vjp`` with the Note's forward and backward dependences."""
+def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any]) -> list[Any]:
+    """Run one segment as a ``custom_vjp`` with the Note's forward and backward dependences.
+
+    ``earlier``: the values produced by earlier segments (the activations it depends on).
+    """
     shard_at = [i for i, v in enumerate(seg.inputs) if v in seg.gathered]
-    act_at = [i for i, v in enumerate(seg.inputs) if v in fresh and v not in seg.gathered]
+    act_at = [i for i, v in enumerate(seg.inputs) if v in earlier and v not in seg.gathered]
     stash: dict[str, Any] = {}
 
     def with_dep(vals: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
@@ -120,7 +123,7 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, fresh: set[
             vals[i] = depend(vals[i], sources)
         return vals
 
-    checkpointed = jax.checkpoint(lambda *v: run(*v), policy=policy)
+    checkpointed = jax.checkpoint(run, policy=policy)
 
     @jax.custom_vjp
     def segment(*vals):
@@ -153,18 +156,19 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         jaxpr = closed.jaxpr
         pieces = _split(jaxpr.eqns, set(jaxpr.invars[:n_params]) | set(jaxpr.constvars))
+        flat_args = jax.tree.leaves(args)
         if len(pieces) <= 1:
-            flat = jax.checkpoint(jcore.jaxpr_as_fun(closed), policy=policy)(*jax.tree.leaves(args))
+            flat = jax.checkpoint(jcore.jaxpr_as_fun(closed), policy=policy)(*flat_args)
             return jax.tree.unflatten(jax.tree.structure(shape), flat)
         segments = [_Segment(p) for p in pieces]
         _wire(segments, jaxpr)
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, jax.tree.leaves(args), strict=True))
-        fresh: set[Any] = set()
+        env.update(zip(jaxpr.invars, flat_args, strict=True))
+        earlier: set[Any] = set()
         for seg in segments:
-            outs = _call(seg, _evaluator(seg, jaxpr.effects), policy, fresh, [env[v] for v in seg.inputs])
+            outs = _call(seg, _evaluator(seg, jaxpr.effects), policy, earlier, [env[v] for v in seg.inputs])
             env.update(zip(seg.outputs, outs, strict=True))
-            fresh |= set(seg.outputs)
+            earlier |= set(seg.outputs)
         flat = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
         return jax.tree.unflatten(jax.tree.structure(shape), flat)
 
