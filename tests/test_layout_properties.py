@@ -24,6 +24,15 @@ def cases(draw):
     return shape, dtype, dim, replicate, shard, seed
 
 
+def _default_dim(shape, n):
+    """API.md's rule, independently: dim 0 unless more than half of the n devices would hold only
+    padding there while another dim is at least n; then the largest such dim, the first of equal ones."""
+    wide = [d for d in range(1, len(shape)) if shape[d] >= n]
+    if 2 * shape[0] >= n or not wide:
+        return 0
+    return sorted(wide, key=lambda d: (-shape[d], d))[0]
+
+
 def _mesh(replicate, shard):
     devices = jax.devices()[: replicate * shard]
     return js.make_mesh(replicate=replicate, devices=devices)
@@ -41,7 +50,7 @@ def test_round_trip_and_torch_layout(case):
     stored = sharded["x"]
     assert stored.dtype == original.dtype
     if original.ndim:
-        placement = 0 if dim is None else dim % original.ndim
+        placement = _default_dim(shape, shard) if dim is None else dim % original.ndim
         assert stored.shape[placement] == shard * -(-original.shape[placement] // shard)
         assert_torch_layout(stored, original, mesh, ("fsdp",), placement)
     else:
