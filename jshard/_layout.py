@@ -57,8 +57,9 @@ def _is_arraylike(leaf: Any) -> bool:
 def _leaf_error(path: Any, leaf: Any, axes: MeshAxes, problem: str, fix: str) -> ValueError:
     shape = getattr(leaf, "shape", None)
     where = f"Leaf {jax.tree_util.keystr(path)}" + (f" of shape {tuple(shape)}" if shape is not None else "")
-    axis = axes.shard[0] if len(axes.shard) == 1 else axes.shard
-    return ValueError(f"{where}, sharded over mesh axis {axis!r} (size {axes.shard_size}): {problem}; {fix}.")
+    return ValueError(
+        f"{where}, sharded over mesh axis {axes.shard_entry!r} (size {axes.shard_size}): {problem}; {fix}."
+    )
 
 
 def default_dim(shape: tuple[int, ...], first: int, n: int) -> int:
@@ -127,8 +128,7 @@ def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
     """The spec of a stored leaf: shard axes at the placement dim, else replicated."""
     if layout.dim is None:
         return PartitionSpec()
-    entry = axes.shard[0] if len(axes.shard) == 1 else axes.shard
-    return PartitionSpec(*([None] * layout.dim), entry)
+    return PartitionSpec(*([None] * layout.dim), axes.shard_entry)
 
 
 def memory_kind(layout: LeafLayout, policy: FullyShardPolicy) -> str | None:

@@ -61,6 +61,12 @@ class MeshAxes:
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size
 
+    @property
+    def shard_entry(self) -> str | tuple[str, ...]:
+        """The shard axes as one ``PartitionSpec`` entry (and as messages name them): the name of
+        a single axis, else the tuple."""
+        return self.shard[0] if len(self.shard) == 1 else self.shard
+
 
 def _describe(mesh: Mesh) -> str:
     return ", ".join(f"{name!r}: {size}" for name, size in mesh.shape.items())

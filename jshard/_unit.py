@@ -108,7 +108,7 @@ def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
         return
     view = _context.current()
     facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
-             "axis": unit.meta.axes.shard[0] if len(unit.meta.axes.shard) == 1 else unit.meta.axes.shard,
+             "axis": unit.meta.axes.shard_entry,
              "n": unit.meta.axes.shard_size}
     if view is not None and not view.pregathered and tuple(value.shape) != layout.shape:
         raise RuntimeError(READ_SHARD.format(**facts))
