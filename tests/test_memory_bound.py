@@ -98,10 +98,10 @@ def test_compiled_schedule_gathers_each_layer_when_it_runs(kind):
     _, hlo = step_memory(kind, 4, js.FullyShardPolicy(reshard_after_forward=True))
     schedule = _entry_schedule(hlo)
     weight, activation = f"f32[{W},{W}]", f"f32[{BATCH // N},{W}]"
-    first_rs = next(i for i, (op, _) in enumerate(schedule) if op == "reduce-scatter")
     gathers = [i for i, (op, shape) in enumerate(schedule) if op == "all-gather" and shape == weight]
-    forward, backward = [i for i in gathers if i < first_rs], [i for i in gathers if i > first_rs]
-    assert len(forward) == 4 and len(backward) >= 2, (forward, backward)
+    forward, backward = gathers[:4], gathers[4:]  # one gather per layer, then the backward re-gathers
+    first_rs = next(i for i, (op, _) in enumerate(schedule) if op == "reduce-scatter")
+    assert forward[-1] < first_rs and len(backward) >= 2, (forward, backward, first_rs)
     for a, b in zip(forward, forward[1:], strict=False):
         assert any(shape == activation for _, shape in schedule[a:b]), (kind, a, b)  # a layer ran between
     for a, b in zip(backward, backward[1:], strict=False):

@@ -35,13 +35,15 @@ def test_jax_grad_of_sharded_params_names_the_padded_leaf():
 
 
 def test_shape_dependent_optax_state_on_explicit_mesh_axes():
-    """README: js.shard_optimizer needs no mesh context; plain Optax with factored state needs jax.set_mesh."""
+    """README: js.shard_optimizer needs no mesh context; plain Optax with factored state needs jax.set_mesh
+    on jax 0.10 (jax 0.12 no longer does)."""
     import optax
 
     params = js.fully_shard({"w": jnp.ones((250, 130))})  # large enough for Adafactor to factor
     assert params.meta.mesh.axis_types == (jax.sharding.AxisType.Explicit,)
     assert len(jax.tree.leaves(js.shard_optimizer(optax.adafactor(1e-2)).init(params))) > 0
-    with pytest.raises(ValueError, match=r"jax.set_mesh"):
-        optax.adafactor(1e-2).init(params)
+    if jax.__version_info__ < (0, 11):
+        with pytest.raises(ValueError, match=r"jax.set_mesh"):
+            optax.adafactor(1e-2).init(params)
     with jax.set_mesh(params.meta.mesh):
         assert len(jax.tree.leaves(optax.adafactor(1e-2).init(params))) > 0
