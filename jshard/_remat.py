@@ -110,9 +110,9 @@ def _depend_jvp(primals, tangents):
 def _depend_batch(args, dims):
     (x, *elements), (xd, *eds) = args, dims
     if any(d is not None for d in eds):  # per-example zeros: plain jnp (batched values are not remat'd here)
-        zero = sum(jax.numpy.moveaxis(e, d, 0) if d is not None else e for e, d in zip(elements, eds, strict=True))
-        x = jax.numpy.moveaxis(x, xd, 0) if xd is not None else x
-        return x + (zero * 0).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1)), 0
+        zero = _zero([jax.numpy.moveaxis(e, d, 0) if d is not None else e for e, d in zip(elements, eds, strict=True)])
+        x = jax.numpy.moveaxis(x, xd, 0) if xd is not None else x[None]
+        return x + zero.astype(x.dtype).reshape(zero.shape + (1,) * (x.ndim - 1)), 0
     return depend_p.bind(x, *elements), xd
 
 

@@ -190,3 +190,14 @@ def test_lowered_dtypes_of_bf16_reduce():
     lowered = jax.jit(js.value_and_grad(_loss)).lower(sharded, X)
     found = set(lowered_collectives(lowered.as_text()))
     assert ("all-gather", "bfloat16") in found and ("reduce-scatter", "bfloat16") in found
+
+
+def test_the_ordering_dependence_is_exactly_zero_even_for_non_finite_sources():
+    """_remat.depend adds a zero read from its sources: never NaN, also under vmap (batched sources)."""
+    from jshard._remat import depend
+
+    x = jnp.arange(12.0).reshape(3, 4)
+    sources = jnp.array([[1.0, 2.0], [jnp.inf, 5.0], [jnp.nan, 1.0]])
+    assert jnp.array_equal(depend(x, [sources[2]]), x)
+    assert jnp.array_equal(jax.vmap(lambda x, s: depend(x, [s]))(x, sources), x)
+    assert jnp.array_equal(jax.vmap(lambda s: depend(x[0], [s]))(sources), jnp.broadcast_to(x[0], (3, 4)))
