@@ -103,14 +103,17 @@ def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
     """Refuse the two common ways of reading a leaf as a parameter when it is not one."""
     from jshard import _context  # the local view imports units' helpers; look it up at call time
 
-    layout = _own_layout(unit, key)
-    if layout is None or not layout.sharded or layout.ignored or not hasattr(value, "shape"):
-        return
     view = _context.current()
+    reading_shard = view is not None and not view.pregathered
+    if not hasattr(value, "shape") or not (reading_shard or type(value).__name__ in _DIFFERENTIATED):
+        return  # the common case (eager or jit reads): no layout lookup
+    layout = _own_layout(unit, key)
+    if layout is None or not layout.sharded or layout.ignored:
+        return
     facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
              "axis": unit.meta.axes.shard_entry,
              "n": unit.meta.axes.shard_size}
-    if view is not None and not view.pregathered and tuple(value.shape) != layout.shape:
+    if reading_shard and tuple(value.shape) != layout.shape:
         raise RuntimeError(READ_SHARD.format(**facts))
     if view is None and layout.padding and type(value).__name__ in _DIFFERENTIATED:
         raise RuntimeError(READ_PADDED.format(**facts))
