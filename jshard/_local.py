@@ -190,6 +190,12 @@ def layer_layout(layout: LeafLayout) -> LeafLayout:
     return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim)
 
 
+def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:
+    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` /
+    ``nn.scan`` body over a stacked unit), rather than the whole stored leaf."""
+    return policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1
+
+
 def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer: bool = False) -> list[Any]:
     """The one gather path: ``entries`` (a unit's own shards and sub-unit placeholders, in
     ``unit.own_entries()`` order; ``meta`` its meta) with every own, non-ignored leaf

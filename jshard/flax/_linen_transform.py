@@ -24,7 +24,7 @@ from flax.core import lift
 
 from jshard import _context
 from jshard._api import FullyShardPolicy
-from jshard._local import gather_entries
+from jshard._local import gather_entries, is_layer_slice
 from jshard._unit import FSDPUnit, is_unit
 
 Path = tuple[str, ...]
@@ -94,10 +94,6 @@ def _entries(unit: FSDPUnit) -> list[tuple[tuple, Any]]:
     return [(tuple(k.key for k in keys), x) for keys, x in flat]
 
 
-def _is_slice(x: Any, layout: Any, meta: Any) -> bool:
-    return meta.policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1
-
-
 def gather_params(unit: FSDPUnit, params: dict, view: Any) -> dict:
     """``params`` (this module's shards, or one layer of them) with its own leaves gathered."""
     meta, entries = unit.meta, _entries(unit)
@@ -105,7 +101,7 @@ def gather_params(unit: FSDPUnit, params: dict, view: Any) -> dict:
     own = [i for i, (_, x) in enumerate(entries) if not is_unit(x)]
     if view.pregathered or not own:
         return params
-    layer = any(_is_slice(values[i], meta.layouts[i], meta) for i in own)
+    layer = any(is_layer_slice(values[i], meta.layouts[i], meta.policy) for i in own)
     full = gather_entries(meta, values, view, layer=layer)
     for i in own:
         params = _set(params, entries[i][0], full[i])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jshard import _context
-from jshard._local import gather_entries
+from jshard._local import gather_entries, is_layer_slice
 from jshard.flax import _nnx_context as ctx_lib
 from jshard.flax._nnx_graph import describe, own_variables, unit_state
 
@@ -93,11 +93,6 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, tree, is_leaf=lambda x: isinstance(x, (nnx.Pytree, nnx.Variable)))
 
 
-def _is_slice(x: Any, layout: Any, scan_axis: int | None) -> bool:
-    """Whether ``x`` is one layer of a stacked leaf (inside ``nnx.scan`` over the stack)."""
-    return scan_axis == 0 and x.ndim == len(layout.shape) - 1
-
-
 def gather(module: Any, view: Any) -> list[tuple[Any, Any]]:
     """Put the module's gathered parameters in its Params; returns ``(param, shard)`` to restore."""
     state = unit_state(module)
@@ -108,7 +103,7 @@ def gather(module: Any, view: Any) -> list[tuple[Any, Any]]:
     if view.pregathered or not own:
         return []
     shards = [p.get_raw_value() for _, p in own]
-    layer = any(_is_slice(x, meta.layouts[i], meta.policy.scan_axis) for (i, _), x in zip(own, shards, strict=True))
+    layer = any(is_layer_slice(x, meta.layouts[i], meta.policy) for (i, _), x in zip(own, shards, strict=True))
     values = [None if is_sub else p.get_raw_value() for (_, is_sub), p in zip(state.entries, params, strict=True)]
     flat = gather_entries(meta, values, view, layer=layer)
     full = [flat[i] for i, _ in own]
@@ -185,7 +180,7 @@ def _is_stacked_slice(module: Any) -> bool:
     state = unit_state(module)
     pairs = zip(state.entries, state.meta.layouts, own_variables(module), strict=True)
     return any(
-        _is_slice(p.get_raw_value(), layout, state.meta.policy.scan_axis)
+        is_layer_slice(p.get_raw_value(), layout, state.meta.policy)
         for (_, is_sub), layout, p in pairs
         if not is_sub
     )
