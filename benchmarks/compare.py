@@ -1,7 +1,7 @@
 """Replicated data parallel vs the hand-written GSPMD FSDP recipe vs jshard, side by side.
 
 ``python -m benchmarks.compare`` (``--quick`` for a smoke run) trains the same stacked
-transformer (``jshard/_transformer.py``) with the three steps of
+transformer (``jshard/demo/model.py``) with the three steps of
 ``benchmarks/variants.py`` on meshes over ``jax.devices()[:n]`` and reports per device:
 peak memory (``memory_analysis``: argument + output + temp − alias), collective bytes
 sent per step by kind (compiled HLO, loop trip counts included, ring model), and the
@@ -32,9 +32,12 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 
 from benchmarks.variants import EXTRA_VARIANTS, VARIANTS, model_inputs, prepare  # noqa: E402
-from jshard import _transformer as T  # noqa: E402
-from jshard._report_hlo import step_collectives, wire_bytes_by_kind  # noqa: E402
-from jshard.report import Memory  # noqa: E402
+from jshard.demo import model as T  # noqa: E402
+from jshard.report import (  # noqa: E402
+    Memory,  # noqa: E402
+    step_collectives,
+    wire_bytes_by_kind,
+)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

@@ -16,7 +16,7 @@ outputs + temporaries - aliased) for:
   default; no recomputation), for information.
 
 Models: tanh MLPs (``tanh(h @ w + b)``, widths 256-1024, 4 and 16 layers, batches 64 and
-512) and the benchmarks' transformer (``jshard/_transformer.py``), each stacked and
+512) and the benchmarks' transformer (``jshard/demo/model.py``), each stacked and
 unrolled. Writes ``results/memory_sweep.json``.
 """
 
@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import jshard as js  # noqa: E402
-from jshard import _transformer as T  # noqa: E402
+from jshard.demo import model as T  # noqa: E402
 from jshard.report import Memory  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -151,7 +151,7 @@ def _jshard(m: Model, mesh: Any, saving: bool) -> Memory:
             return _loop(body, h, units, js.unshard)
 
     sharded = js.fully_shard({**params, "blocks": blocks}, mesh)
-    # js.scan needs a block its policy cannot override (see _transformer.recompute_in_backward);
+    # js.scan needs a block its policy cannot override (see jshard.demo.model.recompute_in_backward);
     # unrolled, the step's remat_policy does the recomputation (it overrides the jax.checkpoint).
     remat = "custom_vjp" if m.kind == "transformer" and m.stacked and not saving else "checkpoint"
 

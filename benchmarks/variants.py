@@ -12,7 +12,7 @@
 - ``jshard``: ``js.fully_shard`` with ``FullyShardPolicy(scan_axis=0)`` for the stack
   inside a root unit, ``js.scan`` and ``js.value_and_grad(unshard_params=False)``.
 
-All of them run the same loss (``jshard/_transformer.py``) and the same AdamW update,
+All of them run the same loss (``jshard/demo/model.py``) and the same AdamW update,
 on the same devices and global batch. Each block is recomputed in backward: with
 ``jax.checkpoint`` under ``lax.scan``, and with a ``custom_vjp`` under ``js.scan``, whose
 remat policy would override a ``jax.checkpoint`` in its body (see
@@ -32,7 +32,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jshard as js
-from jshard import _transformer as T
+from jshard.demo import model as T
 
 VARIANTS = ("replicated", "gspmd", "jshard")
 EXTRA_VARIANTS = ("gspmd_constrained",)

@@ -5,21 +5,21 @@ import importlib as _importlib
 from jshard import collectives as collectives
 from jshard import optim as optim
 from jshard import state_dict as state_dict
-from jshard._api import CPUOffloadPolicy as CPUOffloadPolicy
-from jshard._api import DataParallelMeshDims as DataParallelMeshDims
-from jshard._api import FullyShardPolicy as FullyShardPolicy
-from jshard._api import MixedPrecisionPolicy as MixedPrecisionPolicy
-from jshard._api import OffloadPolicy as OffloadPolicy
-from jshard._collectives import int8_all_gather as int8_all_gather
-from jshard._fully_shard import fully_shard as fully_shard
-from jshard._fully_shard import reshard as reshard
-from jshard._fully_shard import unshard as unshard
-from jshard._mesh import make_mesh as make_mesh
-from jshard._offload import offload_optimizer as offload_optimizer
-from jshard._scan import scan as scan
-from jshard._step import value_and_grad as value_and_grad
-from jshard._unit import FSDPUnit as FSDPUnit
+from jshard._sharding.fully_shard import fully_shard as fully_shard
+from jshard._sharding.fully_shard import reshard as reshard
+from jshard._sharding.mesh import make_mesh as make_mesh
+from jshard._sharding.policies import CPUOffloadPolicy as CPUOffloadPolicy
+from jshard._sharding.policies import DataParallelMeshDims as DataParallelMeshDims
+from jshard._sharding.policies import FullyShardPolicy as FullyShardPolicy
+from jshard._sharding.policies import MixedPrecisionPolicy as MixedPrecisionPolicy
+from jshard._sharding.policies import OffloadPolicy as OffloadPolicy
+from jshard._sharding.unit import FSDPUnit as FSDPUnit
+from jshard._step.collectives import int8_all_gather as int8_all_gather
+from jshard._step.scan import scan as scan
+from jshard._step.unshard import unshard as unshard
+from jshard._step.value_and_grad import value_and_grad as value_and_grad
 from jshard.batch import global_batch as global_batch
+from jshard.optim import offload_optimizer as offload_optimizer
 from jshard.optim import shard_optimizer as shard_optimizer
 
 __version__ = "0.1.0"

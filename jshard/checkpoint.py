@@ -1,5 +1,5 @@
 """Orbax checkpoints of sharded train states that restore onto any mesh (see ``docs/checkpoint.md``)."""
 
-from jshard._checkpoint import CheckpointManager as CheckpointManager
+from jshard._state.checkpoint import CheckpointManager as CheckpointManager
 
 __all__ = ["CheckpointManager"]

@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jshard as js
-from jshard._unit import map_unit_leaves
+from jshard._sharding.unit import map_unit_leaves
 from jshard.checkpoint import CheckpointManager
 from jshard.optim import shard_optimizer
 from jshard.state_dict import full_state_dict
@@ -169,7 +169,7 @@ import os, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp, numpy as np, jshard as js
-from jshard._unit import map_unit_leaves
+from jshard._sharding.unit import map_unit_leaves
 from jshard.checkpoint import CheckpointManager
 base = np.arange(512 * 1024, dtype=np.float32).reshape(2048, 256)
 with CheckpointManager(sys.argv[1], async_save=True) as ckpt:

@@ -272,7 +272,7 @@ def tiny(policy=None) -> Tiny:
 
 
 def lowered(model, microbatches: int = 1) -> list[tuple[str, str]]:
-    from jshard._hlo import lowered_collectives
+    from jshard._report.hlo import lowered_collectives
 
     graphdef, state = nnx.split(model)
 

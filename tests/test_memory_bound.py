@@ -16,7 +16,7 @@ import pytest
 from memory_models import BATCH, HEAD, KINDS, STACKED, W, step_memory
 
 import jshard as js
-from jshard._hlo import hlo_collectives
+from jshard._report.hlo import hlo_collectives
 
 N = 8
 LAYER = W * W * 4  # one gathered float32 layer (1 MiB)

@@ -23,9 +23,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jshard as js
-from jshard import _consistency, _distributed
+from jshard._multiprocess import agreement, join
+from jshard._multiprocess.launcher import split_command_line
 from jshard.batch import global_batch
-from jshard.launch import _split, free_port, initialize
+from jshard.launch import free_port, initialize
 
 SCRIPTS = Path(__file__).parent / "mp_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -140,7 +141,7 @@ def test_jshard_checkpoint_saved_by_two_processes_restores_in_one_on_another_mes
 
 def test_processes_that_disagree_get_the_same_clear_error(tmp_path):
     args = ["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "mismatch.py")]
-    rc, log, _ = _launch(tmp_path, args, timeout_s=120, env={_consistency.SYNC_TIMEOUT: "5"})
+    rc, log, _ = _launch(tmp_path, args, timeout_s=120, env={agreement.SYNC_TIMEOUT: "5"})
     assert rc == 0, log
     expected = {
         "batch": r"CAUGHT batch ValueError: global_batch \(call #1\) differs across processes: batch leaf \['x'\]: "
@@ -161,16 +162,16 @@ def test_processes_that_disagree_get_the_same_clear_error(tmp_path):
 def _start_job(tmp: Path, script_args: list[str], heartbeat_s: int) -> tuple[list[subprocess.Popen], list[Path]]:
     """Two processes started by hand (no launcher), as a cluster scheduler would."""
     env = {
-        _distributed.COORDINATOR: f"127.0.0.1:{free_port()}",
-        _distributed.NUM_PROCESSES: "2",
-        _distributed.DEVICES_PER_PROCESS: "4",
-        _distributed.HEARTBEAT_TIMEOUT: str(heartbeat_s),
+        join.COORDINATOR: f"127.0.0.1:{free_port()}",
+        join.NUM_PROCESSES: "2",
+        join.DEVICES_PER_PROCESS: "4",
+        join.HEARTBEAT_TIMEOUT: str(heartbeat_s),
     }
     logs = [tmp / f"process{i}.log" for i in range(2)]
     procs = []
     for i in range(2):
         cmd = [sys.executable, "-u", str(SCRIPTS / "steps.py"), *script_args]
-        procs.append(_popen(cmd, logs[i], {**env, _distributed.PROCESS_ID: str(i)}))
+        procs.append(_popen(cmd, logs[i], {**env, join.PROCESS_ID: str(i)}))
     return procs, logs
 
 
@@ -235,20 +236,21 @@ def test_launcher_timeout_stops_every_process(tmp_path):
 
 
 def test_launcher_splits_its_options_from_the_script():
-    assert _split(["--nproc", "2", "train.py", "--nproc", "3"]) == (["--nproc", "2"], ["train.py", "--nproc", "3"])
-    assert _split(["--nproc=2", "--no-auto-init", "-m", "pkg.mod", "-x"]) == (
+    assert split_command_line(["--nproc", "2", "train.py", "--nproc", "3"]) == (
+        ["--nproc", "2"], ["train.py", "--nproc", "3"])
+    assert split_command_line(["--nproc=2", "--no-auto-init", "-m", "pkg.mod", "-x"]) == (
         ["--nproc=2", "--no-auto-init"], ["-m", "pkg.mod", "-x"])
-    assert _split(["--nproc", "2", "--", "-weird.py"]) == (["--nproc", "2"], ["-weird.py"])
+    assert split_command_line(["--nproc", "2", "--", "-weird.py"]) == (["--nproc", "2"], ["-weird.py"])
 
 
 def test_initialize_alone_is_a_no_op_and_late_joining_is_an_error(monkeypatch):
     assert initialize() is False
     assert initialize(distributed=False) is False
-    monkeypatch.setenv(_distributed.COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(join.COORDINATOR, "127.0.0.1:1")
     with pytest.raises(ValueError, match="JSHARD_NUM_PROCESSES and JSHARD_PROCESS_ID not: start the processes"):
         initialize()
-    monkeypatch.setenv(_distributed.NUM_PROCESSES, "2")
-    monkeypatch.setenv(_distributed.PROCESS_ID, "0")
+    monkeypatch.setenv(join.NUM_PROCESSES, "2")
+    monkeypatch.setenv(join.PROCESS_ID, "0")
     jax.devices()  # this process already uses JAX
     with pytest.raises(RuntimeError, match="must run before any JAX computation or jax.devices"):
         initialize()
@@ -269,6 +271,6 @@ def test_global_batch_errors_name_the_leaf_and_the_fix():
 def test_first_difference_groups_processes_by_value():
     leaf = {0: {"leaf": {"['w']": "shape (3,)"}}, 1: {"leaf": {"['w']": "shape (4,)"}},
             2: {"leaf": {"['w']": "shape (3,)"}}, 3: {"leaf": {}}}
-    assert _consistency.first_difference(leaf) == (
+    assert agreement.first_difference(leaf) == (
         "leaf ['w']: processes 0, 2: shape (3,); process 1: shape (4,); process 3: (absent)")
-    assert _consistency.first_difference({0: leaf[0], 1: leaf[0]}) is None
+    assert agreement.first_difference({0: leaf[0], 1: leaf[0]}) is None

@@ -9,7 +9,7 @@ import pytest
 from model import batches, init_params, shard, train_sharded
 
 import jshard as js
-from jshard._hlo import entry_bytes_by_memory_space
+from jshard._report.hlo import entry_bytes_by_memory_space
 
 OFFLOAD = js.FullyShardPolicy(offload_policy=js.CPUOffloadPolicy())
 

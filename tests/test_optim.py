@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jshard as js
-from jshard._unit import map_unit_leaves
+from jshard._sharding.unit import map_unit_leaves
 from jshard.optim import shard_optimizer
 
 SHAPES = {"a": (7, 15), "b": (16, 17), "c": (1,)}

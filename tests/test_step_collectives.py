@@ -8,7 +8,7 @@ import pytest
 from model import batches, init_params, loss_fn, shard
 
 import jshard as js
-from jshard._hlo import hlo_collectives, lowered_collectives
+from jshard._report.hlo import hlo_collectives, lowered_collectives
 
 L, W = 4, 16
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jshard as js
-from jshard._hlo import hlo_collectives, lowered_collectives
+from jshard._report.hlo import hlo_collectives, lowered_collectives
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(32, 6)), jnp.float32)
 
@@ -194,7 +194,7 @@ def test_lowered_dtypes_of_bf16_reduce():
 
 def test_the_ordering_dependence_is_exactly_zero_even_for_non_finite_sources():
     """_remat.depend adds a zero read from its sources: never NaN, also under vmap (batched sources)."""
-    from jshard._remat import depend
+    from jshard._step.remat import depend
 
     x = jnp.arange(12.0).reshape(3, 4)
     sources = jnp.array([[1.0, 2.0], [jnp.inf, 5.0], [jnp.nan, 1.0]])

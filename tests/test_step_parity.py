@@ -34,7 +34,7 @@ def _check_padding_is_zero(tree):
             rows = np.take(np.asarray(x), np.arange(layout.shape[layout.dim], layout.padded), axis=layout.dim)
             assert not rows.any(), layout
 
-    from jshard._unit import map_unit_leaves
+    from jshard._sharding.unit import map_unit_leaves
 
     map_unit_leaves(check, tree)
 

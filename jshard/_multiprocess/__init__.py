@@ -1,0 +1,1 @@
+"""Multi-process jobs: joining one, agreeing across processes, launching local ones."""

@@ -1,0 +1,25 @@
+"""Run by ``jshard.launch`` in each process: join the job, then run the target as ``__main__``."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def run(target: list[str]) -> None:
+    """Call :func:`jshard.launch.initialize`, then run ``script.py args`` or ``-m module args``."""
+    from jshard._multiprocess.join import initialize
+
+    initialize()
+    if target[0] == "-m":
+        sys.argv = [target[1], *target[2:]]
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(target)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+        runpy.run_path(target[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -1,0 +1,258 @@
+"""Run a script as P local JAX processes on CPU: ``python -m jshard.launch --nproc P script.py``.
+
+Each process gets ``--devices-per-proc`` CPU devices and gloo collectives over
+127.0.0.1, joins the job through :func:`initialize` (called for the script unless
+``--no-auto-init``), and has its output prefixed with its index (``[0] ...``). If a
+process fails, the launcher terminates the others and exits with that process's
+code. The same script runs on a real cluster, where :func:`initialize` calls
+``jax.distributed.initialize()``; see ``docs/multihost.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from jshard._multiprocess import join as D
+
+_VALUED = {"--nproc", "--devices-per-proc", "--port", "--heartbeat-timeout", "--init-timeout", "--timeout"}
+_GRACE_S = 5.0
+_SETTLE_S = 0.3
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now.
+
+    Example:
+      >>> 0 < free_port() < 65536
+      True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(i: int, nproc: int, devices: int, port: int, heartbeat_s: int, init_s: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        D.COORDINATOR: f"127.0.0.1:{port}",
+        D.NUM_PROCESSES: str(nproc),
+        D.PROCESS_ID: str(i),
+        D.DEVICES_PER_PROCESS: str(devices),
+        D.HEARTBEAT_TIMEOUT: env.get(D.HEARTBEAT_TIMEOUT, str(heartbeat_s)),
+        D.INIT_TIMEOUT: env.get(D.INIT_TIMEOUT, str(init_s)),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def _pump(stream: IO[bytes], index: int, out: IO[str], lock: threading.Lock, raised: dict[int, tuple]) -> None:
+    """Copy a process's output with its ``[i]`` prefix; note when it reports an uncaught exception."""
+    prefix, marker = f"[{index}] ", D.UNCAUGHT.format(process_id=index, kind="")[: -len("; ")]
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        if line.startswith(marker):
+            raised.setdefault(index, (time.monotonic(), line[len(marker) :].split(";")[0]))
+        with lock:
+            out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    _stop(procs, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _stop(procs, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _first_failure(procs: list[subprocess.Popen], raised: dict[int, tuple]) -> tuple[int, int]:
+    """``(index, code)`` of the process that failed first: the first to report an uncaught exception
+    (a process whose collective failed because of it exits too, often in the same instant), else
+    the lowest index among those that exited non-zero."""
+    time.sleep(_SETTLE_S)  # let the pumps read what the failed processes printed last
+    if raised:
+        first = min(raised, key=lambda i: raised[i][0])
+        try:
+            return first, procs[first].wait(timeout=_GRACE_S) or 1  # it is exiting: its hook calls os._exit(1)
+        except subprocess.TimeoutExpired:
+            return first, 1
+    failed = {i: p.poll() for i, p in enumerate(procs) if p.poll()}
+    first = min(failed)
+    return first, failed[first]
+
+
+def _watch(procs: list[subprocess.Popen], timeout_s: float | None, say, raised: dict[int, tuple]) -> int:
+    start = time.monotonic()
+    while True:
+        if any(p.poll() for p in procs):
+            i, rc = _first_failure(procs, raised)
+            cause = f" (uncaught {raised[i][1]}, reported first)" if i in raised else ""
+            others = sum(q.poll() is None for q in procs)
+            say(f"process {i} failed first{cause}: exit code {rc} after {time.monotonic() - start:.1f} s; "
+                f"terminating the other {others} running process(es).")
+            return _exit_code(rc)
+        if all(p.poll() == 0 for p in procs):
+            return 0
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            say(f"the job ran past --timeout {timeout_s:g} s; terminating every process.")
+            return 124
+        time.sleep(0.05)
+
+
+def launch(
+    target: Sequence[str],
+    *,
+    nproc: int,
+    devices_per_proc: int = 1,
+    port: int | None = None,
+    heartbeat_timeout_s: int = 20,
+    init_timeout_s: int = 120,
+    timeout_s: float | None = None,
+    auto_init: bool = True,
+    out: IO[str] | None = None,
+) -> int:
+    """Start ``nproc`` local processes running ``target`` and wait for them.
+
+    Args:
+      target: ``["script.py", *args]`` or ``["-m", "module", *args]``.
+      nproc: number of processes.
+      devices_per_proc: CPU devices per process (``jax_num_cpu_devices``).
+      port: coordinator port on 127.0.0.1 (default: a free one).
+      heartbeat_timeout_s: a process silent this long is dead and the others are
+        terminated by JAX (``JSHARD_HEARTBEAT_TIMEOUT``; an existing value wins).
+      init_timeout_s: how long processes wait for each other to connect.
+      timeout_s: terminate every process after this long and return 124.
+      auto_init: call :func:`initialize` before running ``target``; with ``False`` the
+        script must call it first thing.
+      out: where prefixed output goes (default: ``sys.stdout``).
+
+    Returns:
+      0 if every process succeeded, else the failing process's exit code
+      (``128 + signal`` when it was killed by a signal), or 124 on timeout.
+
+    Example:
+      >>> from jshard.launch import launch
+      >>> launch(["train.py", "--steps", "10"], nproc=2, devices_per_proc=4)  # doctest: +SKIP
+      0
+    """
+    if nproc < 1 or devices_per_proc < 1:
+        raise ValueError(f"`nproc` and `devices_per_proc` must be at least 1, got {nproc} and {devices_per_proc}.")
+    if not target or (target[0] == "-m" and len(target) < 2):
+        raise ValueError("Nothing to run: pass a script path (or `-m module`) and its arguments.")
+    out = sys.stdout if out is None else out
+    port = free_port() if port is None else port
+    prefix = [sys.executable, "-u", "-m", "jshard._multiprocess.child"] if auto_init else [sys.executable, "-u"]
+    lock = threading.Lock()
+
+    def say(msg: str) -> None:
+        with lock:
+            print(f"[launch] {msg}", file=sys.stderr, flush=True)
+
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    raised: dict[int, tuple] = {}
+    restore = _raise_on_sigterm()
+    try:
+        for i in range(nproc):
+            env = _child_env(i, nproc, devices_per_proc, port, heartbeat_timeout_s, init_timeout_s)
+            p = subprocess.Popen([*prefix, *target], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)
+            procs.append(p)
+            pumps.append(threading.Thread(target=_pump, args=(p.stdout, i, out, lock, raised), daemon=True))
+            pumps[-1].start()
+        return _watch(procs, timeout_s, say, raised)
+    except KeyboardInterrupt:
+        say("interrupted; terminating every process.")
+        return 130
+    finally:
+        _stop_all(procs)
+        for t in pumps:
+            t.join(timeout=_GRACE_S)
+        restore()
+
+
+def _raise_on_sigterm():
+    """Make SIGTERM to the launcher stop its processes too (as Ctrl-C does); returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def split_command_line(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Launcher options, then the target (the script or ``-m module``) and its arguments."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1 :]
+        if arg == "-m" or not arg.startswith("-"):
+            break
+        i += 2 if arg in _VALUED else 1
+    return argv[:i], argv[i:]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jshard.launch",
+        usage="%(prog)s --nproc P [--devices-per-proc D] [options] (script.py | -m module) [args ...]",
+        description="Run a JAX script as P local CPU processes joined by jax.distributed (gloo over 127.0.0.1).",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices per process")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=20,
+                        help="seconds of silence after which a process is dead (default 20)")
+    parser.add_argument("--init-timeout", type=int, default=120,
+                        help="seconds to wait for every process to connect (default 120)")
+    parser.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
+    parser.add_argument("--no-auto-init", action="store_true",
+                        help="do not call jshard.launch.initialize() before the script (it must call it)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``python -m jshard.launch --nproc P [--devices-per-proc D] script.py [args]``.
+
+    Example:
+      >>> from jshard.launch import main
+      >>> main(["--nproc", "2", "--devices-per-proc", "4", "train.py"])  # doctest: +SKIP
+      0
+    """
+    own, target = split_command_line(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(own)
+    if not target:
+        parser.error("missing the script to run (script.py or -m module)")
+    return launch(
+        target, nproc=args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
+        heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout,
+        timeout_s=args.timeout, auto_init=not args.no_auto_init,
+    )

@@ -1,0 +1,1 @@
+"""Reading compiled programs: memory, collectives, the analytic model, per-leaf placement."""

@@ -1,0 +1,194 @@
+"""What a compiled step communicates: collectives with loop trip counts, dtypes, wire bytes.
+
+Builds on :mod:`jshard._report.hlo`: each collective of the compiled HLO gets the number of
+times it runs per step (the product of the known trip counts of the ``while`` loops
+around it), its group size, its dtype as *asked for* (the lowered StableHLO's, since
+XLA:CPU upcasts bf16 collectives when compiling) and the bytes each device sends per
+execution under the ring model of ``DESIGN.md`` "Performance model".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from jshard._report import hlo
+
+_CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_EXPLICIT_GROUP = re.compile(r"\{([\d,]*)\}")
+_IOTA_GROUPS = re.compile(r"^\[(\d+),(\d+)\]<=")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCollective:
+    """One collective of a compiled step, as a report lists it.
+
+    ``dtype`` is the dtype the program asked for (lowered StableHLO) and
+    ``compiled_dtype`` the one the backend runs (XLA:CPU upcasts bf16 to f32).
+    ``bytes`` is the size of its result in ``dtype``; ``wire_bytes`` what each device
+    sends per execution (ring model); ``executions`` how often it runs per step
+    (``trip_count`` of the innermost loop, ``None`` when unknown, counted once).
+    """
+
+    kind: str
+    dtype: str
+    compiled_dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    replica_groups: str
+    group_size: int
+    in_loop: bool
+    trip_count: int | None
+    executions: int
+    bytes: int
+    wire_bytes: float
+
+    @property
+    def wire_bytes_per_step(self) -> float:
+        """Bytes each device sends for this collective over one step."""
+        return self.wire_bytes * self.executions
+
+
+def _call_graph(hlo_text: str) -> tuple[dict[str, list[tuple[str, int | None, bool]]], str]:
+    """``caller -> [(callee, trip count or None, is a loop body)]`` and the entry computation."""
+    graph: dict[str, list[tuple[str, int | None, bool]]] = collections.defaultdict(list)
+    current, entry = "", ""
+    for line in hlo_text.splitlines():
+        header = hlo.COMPUTATION_HEADER.match(line)
+        if header:
+            current = header.group(1)
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        trip = _TRIP.search(line)
+        for role, callee in _CALLEE.findall(line):
+            body = role == "body"
+            graph[current].append((callee, int(trip.group(1)) if body and trip else None, body))
+        for branches in _BRANCHES.findall(line):
+            graph[current].extend((b.strip().lstrip("%"), None, False) for b in branches.split(",") if b.strip())
+    return graph, entry
+
+
+def loop_counts(hlo_text: str) -> dict[str, tuple[int, int | None]]:
+    """``computation -> (executions per step, trip count of the innermost loop)``.
+
+    A ``while`` body runs ``trip count`` times per execution of its caller; an unknown
+    trip count counts as one (and its trip count is reported as ``None``).
+    """
+    graph, entry = _call_graph(hlo_text)
+    counts: dict[str, tuple[int, int | None]] = {}
+    stack = [(entry, 1, None)]
+    while stack:
+        name, mult, trip = stack.pop()
+        if name in counts and counts[name][0] >= mult:
+            continue
+        counts[name] = (mult, trip)
+        for callee, n, body in graph.get(name, ()):
+            if body:
+                stack.append((callee, mult * (n or 1), n))
+            else:
+                stack.append((callee, mult, trip))
+    return counts
+
+
+def group_size(replica_groups: str, num_partitions: int) -> int:
+    """Devices in one replica group (explicit ``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]``)."""
+    iota = _IOTA_GROUPS.match(replica_groups)
+    if iota:
+        return int(iota.group(2))
+    groups = [g for g in _EXPLICIT_GROUP.findall(replica_groups.strip()[1:-1] if replica_groups else "")]
+    if not groups or not groups[0]:
+        return num_partitions
+    return len(groups[0].split(","))
+
+
+def wire_bytes(kind: str, result_bytes: int, n: int) -> float:
+    """Bytes one device sends for one collective under the ring model of ``DESIGN.md``.
+
+    Example:
+      >>> from jshard._report.step_collectives import wire_bytes
+      >>> wire_bytes("all-gather", 800, 8), wire_bytes("reduce-scatter", 100, 8), wire_bytes("all-reduce", 800, 8)
+      (700.0, 700.0, 1400.0)
+    """
+    if n <= 1:
+        return 0.0
+    if kind == "reduce-scatter":
+        return float(result_bytes * (n - 1))
+    if kind == "all-reduce":
+        return 2.0 * result_bytes * (n - 1) / n
+    if kind == "collective-permute":
+        return float(result_bytes)
+    return result_bytes * (n - 1) / n
+
+
+def _lowered_dtypes(stablehlo_text: str) -> dict[tuple[str, tuple[int, ...]], set[str]]:
+    """``(kind, result shape) -> dtypes`` of the lowered program's collectives."""
+    out: dict[tuple[str, tuple[int, ...]], set[str]] = collections.defaultdict(set)
+    for kind, results in hlo.lowered_collective_results(stablehlo_text):
+        for dtype, shape in results:
+            out[(kind, shape)].add(dtype)
+    return out
+
+
+def _requested_dtype(kind: str, shape: tuple[int, ...], compiled: str, lowered: dict) -> str:
+    dtypes = lowered.get((kind, shape), set())
+    return next(iter(dtypes)) if len(dtypes) == 1 else compiled
+
+
+def step_collectives(hlo_text: str, stablehlo_text: str = "") -> list[StepCollective]:
+    """Every collective of a compiled step, with executions per step and wire bytes.
+
+    Args:
+      hlo_text: ``compiled.as_text()``.
+      stablehlo_text: ``lowered.as_text()``; where a compiled collective's kind and
+        shape match lowered ones of a single dtype, that dtype is reported.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard._report.step_collectives import step_collectives
+      >>> mesh = js.make_mesh()
+      >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "fsdp"), mesh=mesh,
+      ...             in_specs=jax.P("fsdp"), out_specs=jax.P()))
+      >>> x = jax.device_put(jnp.ones(8, jnp.bfloat16), jax.NamedSharding(mesh, jax.P("fsdp")))
+      >>> lowered = f.lower(x)
+      >>> [(c.kind, c.dtype, c.executions) for c in step_collectives(lowered.compile().as_text(), lowered.as_text())]
+      [('all-reduce', 'bfloat16', 1)]
+    """
+    partitions = _PARTITIONS.search(hlo_text)
+    num_partitions = int(partitions.group(1)) if partitions else 1
+    counts = loop_counts(hlo_text)
+    lowered = _lowered_dtypes(stablehlo_text)
+    out = []
+    for c in hlo.hlo_collectives(hlo_text):
+        n = group_size(c.replica_groups, num_partitions)
+        dtypes = [_requested_dtype(c.kind, s, c.dtype, lowered) for s in c.shapes]
+        nbytes = sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(c.shapes, dtypes, strict=True))
+        executions, trip = counts.get(c.computation, (1, None))
+        out.append(StepCollective(
+            kind=c.kind,
+            dtype=dtypes[0] if dtypes else c.dtype,
+            compiled_dtype=c.dtype,
+            shapes=c.shapes,
+            replica_groups=c.replica_groups,
+            group_size=n,
+            in_loop=c.in_loop or trip is not None,
+            trip_count=trip,
+            executions=executions,
+            bytes=nbytes,
+            wire_bytes=wire_bytes(c.kind, nbytes, n),
+        ))
+    return out
+
+
+def wire_bytes_by_kind(collectives: list[StepCollective]) -> dict[str, float]:
+    """Bytes each device sends per step, summed by collective kind (every kind listed)."""
+    totals = dict.fromkeys(hlo.KINDS, 0.0)
+    for c in collectives:
+        totals[c.kind] += c.wire_bytes_per_step
+    return totals

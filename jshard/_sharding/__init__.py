@@ -1,0 +1,1 @@
+"""The sharded tree: policies, meshes, per-leaf layouts, the unit node, the global view."""

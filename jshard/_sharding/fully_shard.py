@@ -1,0 +1,216 @@
+"""``fully_shard`` and the global view's gather and re-shard (outside ``shard_map``).
+
+:func:`unshard_global` / :func:`reshard` work on whole trees of units;
+:func:`gather_own` / :func:`shard_own` on one unit's own leaves (the NNX adapter's
+``module.unshard()`` / ``module.reshard()`` use them).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard._sharding.agreement import check_unit
+from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad, unpad
+from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
+from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.unit import FSDPUnit, UnitMeta, is_unit
+
+
+def _check_list_of_subtrees(params: Any) -> None:
+    if not isinstance(params, list):
+        return
+    seen: dict[int, int] = {}
+    for i, sub in enumerate(params):
+        if id(sub) in seen:
+            raise ValueError(
+                f"Sub-tree [{i}] is the same object as sub-tree [{seen[id(sub)]}] in the list "
+                "passed to fully_shard: each sub-tree must appear once (a parameter owned "
+                "twice would be sharded twice and untied); pass it once."
+            )
+        seen[id(sub)] = i
+
+
+@functools.lru_cache(maxsize=1024)
+def _padder(layouts: tuple[LeafLayout, ...], shardings: tuple[Any, ...]):
+    """One compiled pad-and-place per distinct set of layouts (eager calls do not retrace)."""
+    return jax.jit(lambda xs: [pad(x, layout) for x, layout in zip(xs, layouts, strict=True)],
+                   out_shardings=list(shardings))
+
+
+@functools.lru_cache(maxsize=1024)
+def _unpadder(layouts: tuple[LeafLayout, ...], replicated: NamedSharding):
+    def unpad_all(xs):
+        return [unpad(jax.device_put(x, replicated), layout) for x, layout in zip(xs, layouts, strict=True)]
+
+    return jax.jit(unpad_all, out_shardings=[replicated] * len(layouts))
+
+
+def shard_leaves(leaves: list[Any], layouts: list[LeafLayout], shardings: list[Any]) -> list[Any]:
+    """Pad and place leaves; abstract leaves become abstract sharded leaves."""
+    out: list[Any] = list(leaves)
+    concrete = []
+    for i, (leaf, layout, sharding) in enumerate(zip(leaves, layouts, shardings, strict=True)):
+        if layout.ignored:
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            out[i] = jax.ShapeDtypeStruct(layout.padded_shape, layout.dtype, sharding=sharding)
+        else:
+            concrete.append(i)
+    if concrete:
+        fn = _padder(tuple(layouts[i] for i in concrete), tuple(shardings[i] for i in concrete))
+        for i, y in zip(concrete, fn([leaves[i] for i in concrete]), strict=True):
+            out[i] = y
+    return out
+
+
+def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy | None = None) -> FSDPUnit:
+    """Shard a pytree of parameters over the mesh as one unit (FSDP2's ``fully_shard``).
+
+    Apply it bottom-up: to each block, then to the root; sub-trees already returned by
+    ``fully_shard`` stay their own units. Every non-ignored leaf with ``ndim >= 1`` is
+    sharded on its placement dim (default 0) over the shard axes, zero-padded at the end
+    to a multiple of the shard size ``N``; 0-d leaves stay replicated.
+
+    Args:
+      params: a pytree of arrays (or ``jax.ShapeDtypeStruct`` for planning), or a list
+        of pytrees that form one unit together.
+      mesh: the mesh (default: :func:`jshard.make_mesh`).
+      policy: a :class:`jshard.FullyShardPolicy` (default: ``FullyShardPolicy()``).
+
+    Returns:
+      An :class:`jshard.FSDPUnit`, indexable like ``params``.
+
+    Raises:
+      ValueError: an empty tree, a sub-tree twice in a list, a non-array leaf, a
+        placement dim out of range, a mesh without the needed axes.
+      RuntimeError: ``params`` is already a unit.
+
+    Example:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> params = {"layer1": {"w": jnp.ones((7, 15))}, "b": jnp.zeros(())}
+      >>> sharded = js.fully_shard(params)
+      >>> sharded["layer1"]["w"].shape, sharded["layer1"]["w"].sharding.spec
+      ((8, 15), P('fsdp',))
+      >>> bool((js.unshard(sharded)["layer1"]["w"] == params["layer1"]["w"]).all())
+      True
+    """
+    if is_unit(params):
+        raise RuntimeError(
+            "fully_shard got a tree that is already fully sharded as a whole (an FSDPUnit); "
+            "apply fully_shard once per unit: to sub-trees first, then to a root that "
+            "contains them, e.g. fully_shard({'block': unit, 'head': head_params})."
+        )
+    if not jax.tree.leaves(params):
+        raise ValueError("fully_shard got an empty pytree (no leaves): pass the parameters to shard.")
+    _check_list_of_subtrees(params)
+    mesh = make_mesh() if mesh is None else mesh
+    policy = FullyShardPolicy() if policy is None else policy
+    axes = resolve_axes(mesh, policy.dp_mesh_dims)
+    check_reshard_group(axes, policy)
+    entries_with_path, treedef = jax.tree.flatten_with_path(params, is_leaf=is_unit)
+    own = [i for i, (_, x) in enumerate(entries_with_path) if not is_unit(x)]
+    layouts: list[LeafLayout | None] = [None] * len(entries_with_path)
+    for i in own:
+        layouts[i] = leaf_layout(*entries_with_path[i], axes, policy)
+    meta = UnitMeta(mesh, axes, policy, tuple(layouts))
+    check_unit([path for path, _ in entries_with_path], meta)  # multi-process only
+    entries = [x for _, x in entries_with_path]
+    shardings = [named_sharding(mesh, layouts[i], axes, policy) for i in own]
+    stored = shard_leaves([entries[i] for i in own], [layouts[i] for i in own], shardings)
+    for i, x in zip(own, stored, strict=True):
+        entries[i] = x
+    return FSDPUnit(jax.tree.unflatten(treedef, entries), meta)
+
+
+def _own_sharded(meta: UnitMeta) -> list[int]:
+    return [i for i, layout in enumerate(meta.layouts) if layout is not None and not layout.ignored]
+
+
+def gather_own(unit: FSDPUnit) -> list[Any]:
+    """The unit's own entries with each sharded leaf gathered: original shape, replicated, unpadded."""
+    meta = unit.meta
+    entries = unit.own_entries()
+    own = _own_sharded(meta)
+    replicated = NamedSharding(meta.mesh, PartitionSpec())
+    if any(isinstance(entries[i], jax.ShapeDtypeStruct) for i in own):
+        full = [jax.ShapeDtypeStruct(meta.layouts[i].shape, meta.layouts[i].dtype, sharding=replicated) for i in own]
+    else:
+        full = _unpadder(tuple(meta.layouts[i] for i in own), replicated)([entries[i] for i in own])
+    for i, x in zip(own, full, strict=True):
+        entries[i] = x
+    return entries
+
+
+def shard_own(meta: UnitMeta, entries: list[Any]) -> list[Any]:
+    """``entries`` (a unit's own entries, full leaves in original shapes) with each leaf padded and placed."""
+    out = list(entries)
+    own = [i for i, layout in enumerate(meta.layouts) if layout is not None]
+    shardings = [named_sharding(meta.mesh, meta.layouts[i], meta.axes, meta.policy) for i in own]
+    for i, x in zip(own, shard_leaves([entries[i] for i in own], [meta.layouts[i] for i in own], shardings),
+                    strict=True):
+        out[i] = x
+    return out
+
+
+def _gather_global(unit: FSDPUnit) -> Any:
+    entries = gather_own(unit)
+    for i, layout in enumerate(unit.meta.layouts):
+        if layout is None:
+            entries[i] = _gather_global(entries[i])
+    return unit.with_entries(entries)
+
+
+def unshard_global(sharded: Any) -> Any:
+    """Every unit in ``sharded`` gathered back to the tree it was made from (see :func:`jshard.unshard`)."""
+    return jax.tree.map(lambda x: _gather_global(x) if is_unit(x) else x, sharded, is_leaf=is_unit)
+
+
+def _reshard_unit(full: Any, like: FSDPUnit) -> FSDPUnit:
+    meta = like.meta
+    treedef = jax.tree.structure(like.tree, is_leaf=is_unit)
+    entries = treedef.flatten_up_to(full)
+    like_entries = like.own_entries()
+    own = [i for i, layout in enumerate(meta.layouts) if layout is not None]
+    for i in own:
+        layout, x = meta.layouts[i], entries[i]
+        if not layout.ignored and (tuple(x.shape) != layout.shape or x.dtype != layout.dtype):
+            path = jax.tree_util.keystr(jax.tree.flatten_with_path(like.tree, is_leaf=is_unit)[0][i][0])
+            raise ValueError(
+                f"Leaf {path}: reshard got shape {tuple(x.shape)} and dtype {x.dtype}, but the "
+                f"unit was made from shape {layout.shape} and dtype {layout.dtype}; pass a full "
+                "tree of the original shapes (e.g. the output of js.unshard)."
+            )
+    entries = shard_own(meta, entries)
+    for i, layout in enumerate(meta.layouts):
+        if layout is None:
+            entries[i] = _reshard_unit(entries[i], like_entries[i])
+    return FSDPUnit(jax.tree.unflatten(treedef, entries), meta)
+
+
+def reshard(full: Any, like: Any) -> Any:
+    """Shard a full tree with the layout of ``like`` (the inverse of :func:`jshard.unshard`).
+
+    Args:
+      full: a tree with the structure and original shapes of the unsharded parameters.
+      like: a tree of units (e.g. the output of :func:`fully_shard`) to copy layouts from.
+
+    Returns:
+      A tree of units with ``like``'s meshes, policies and layouts holding ``full``.
+
+    Example:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> sharded = js.fully_shard({"w": jnp.zeros((5, 2))})
+      >>> js.reshard({"w": jnp.ones((5, 2))}, sharded)["w"].shape
+      (8, 2)
+    """
+    if is_unit(like):
+        return _reshard_unit(full, like)
+    treedef = jax.tree.structure(like, is_leaf=is_unit)
+    fulls = treedef.flatten_up_to(full)
+    likes = treedef.flatten_up_to(like)
+    out = [_reshard_unit(f, u) if is_unit(u) else f for f, u in zip(fulls, likes, strict=True)]
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,160 @@
+"""Per-leaf layout: placement dim, padding and sharding (pure functions, no collectives).
+
+[Note: layout] A sharded leaf is the original array padded with zeros at the end of its
+placement dim ``d`` to ``N * c`` rows, ``c = ceil(shape[d] / N)``, split over the shard
+axes: device ``i`` holds rows ``[i*c, (i+1)*c)`` (``torch.chunk`` plus FSDP2's padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard._sharding.mesh import MeshAxes
+from jshard._sharding.policies import FullyShardPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Static facts of one leaf of a unit.
+
+    ``dim`` is the placement dim in the stored array (``None``: replicated, for 0-d
+    leaves and, with ``scan_axis=0``, per-layer scalars); ``padded`` its padded size.
+    ``ignored`` leaves are stored untouched.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    dim: int | None
+    padded: int
+    ignored: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        return self.shape[: self.dim] + (self.padded,) + self.shape[self.dim + 1 :]
+
+    @property
+    def padding(self) -> int:
+        return 0 if self.dim is None else self.padded - self.shape[self.dim]
+
+
+def _is_arraylike(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _leaf_error(path: Any, leaf: Any, axes: MeshAxes, problem: str, fix: str) -> ValueError:
+    shape = getattr(leaf, "shape", None)
+    where = f"Leaf {jax.tree_util.keystr(path)}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+    return ValueError(
+        f"{where}, sharded over mesh axis {axes.shard_entry!r} (size {axes.shard_size}): {problem}; {fix}."
+    )
+
+
+def default_dim(shape: tuple[int, ...], first: int, n: int) -> int:
+    """The default placement dim (``first``: 0, or 1 after a stacked layer axis).
+
+    FSDP2's dim 0 (the first dim after the layer axis), unless more than half of the ``n``
+    devices would hold only padding there (``shape[first] < n / 2``) while another dim is at
+    least ``n``: then the largest such dim, the first of equal ones. A Flax conv kernel
+    ``(3, 3, in, out)`` is so split on ``in`` or ``out``, not on its height (where 5/8 of every
+    shard would be zeros on 8 devices); ``(7, 15)`` keeps FSDP2's dim 0.
+
+    Example:
+      >>> from jshard._sharding.layout import default_dim
+      >>> default_dim((3, 3, 64, 128), 0, 8), default_dim((7, 15), 0, 8), default_dim((4, 1, 1, 32), 1, 8)
+      (3, 0, 3)
+    """
+    if 2 * shape[first] >= n:
+        return first
+    wide = [d for d in range(first + 1, len(shape)) if shape[d] >= n]
+    return max(wide, key=lambda d: (shape[d], -d)) if wide else first
+
+
+def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy) -> LeafLayout:
+    """The layout of one leaf, or a ``ValueError`` naming the leaf and the fix."""
+    if policy.ignored_params is not None and policy.ignored_params(path, leaf):
+        shape = tuple(getattr(leaf, "shape", ()))
+        dtype = np.dtype(getattr(leaf, "dtype", np.float32))
+        return LeafLayout(shape, dtype, None, 0, ignored=True)
+    if not _is_arraylike(leaf):
+        raise _leaf_error(
+            path, leaf, axes, f"a {type(leaf).__name__} is not an array",
+            "make it an array (jnp.asarray) or keep non-array values out of the tree",
+        )
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    stacked = policy.scan_axis is not None
+    if stacked and len(shape) == 0:
+        raise _leaf_error(
+            path, leaf, axes, "a 0-d leaf has no stacked layer axis 0 (`scan_axis=0`)",
+            "stack every leaf of the unit along axis 0, one slice per layer",
+        )
+    first = 1 if stacked else 0
+    if len(shape) <= first or 0 in shape:  # nothing to split (0-d, a per-layer scalar, or empty)
+        return LeafLayout(shape, dtype, None, 0)
+    dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
+    if dim is None:
+        dim = default_dim(shape, first, axes.shard_size)
+    elif isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise _leaf_error(path, leaf, axes, f"`shard_placement_fn` returned {dim!r}", "return an int dim or None")
+    elif not -len(shape) <= dim < len(shape):
+        raise _leaf_error(
+            path, leaf, axes, f"placement dim {dim} is out of range for a {len(shape)}-d leaf",
+            f"return a dim in [{-len(shape)}, {len(shape)}) from `shard_placement_fn`",
+        )
+    else:
+        dim = int(dim) % len(shape)
+        if stacked and dim == 0:
+            raise _leaf_error(
+                path, leaf, axes, "placement dim 0 is the stacked layer axis (`scan_axis=0`)",
+                "shard another dim (1 or more)",
+            )
+    n = axes.shard_size
+    return LeafLayout(shape, dtype, dim, n * math.ceil(shape[dim] / n))
+
+
+def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
+    """The spec of a stored leaf: shard axes at the placement dim, else replicated."""
+    if layout.dim is None:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * layout.dim), axes.shard_entry)
+
+
+def memory_kind(layout: LeafLayout, policy: FullyShardPolicy) -> str | None:
+    """Where a stored leaf lives: host memory under CPU offload for sharded leaves.
+
+    Replicated (0-d) and ignored leaves stay on the device: they are tiny or not ours.
+    """
+    return policy.offload_policy.memory_kind if layout.sharded and not layout.ignored else None
+
+
+def named_sharding(mesh: Mesh, layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy):
+    return NamedSharding(mesh, partition_spec(layout, axes), memory_kind=memory_kind(layout, policy))
+
+
+def pad(x: jax.Array, layout: LeafLayout) -> jax.Array:
+    """Zero-pad ``x`` at the end of its placement dim to the padded size."""
+    if layout.padding == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[layout.dim] = (0, layout.padding)
+    return jnp.pad(x, widths)
+
+
+def unpad(x: jax.Array, layout: LeafLayout, dim: int | None = None) -> jax.Array:
+    """Slice the padding off ``x`` (at ``dim``, default the layout's placement dim)."""
+    if layout.padding == 0:
+        return x
+    dim = layout.dim if dim is None else dim
+    return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=dim)

@@ -1,0 +1,282 @@
+"""User-facing policies: frozen, hashable dataclasses validated on construction.
+
+Each mirrors the PyTorch FSDP2 policy of the same name (``torch.distributed.fsdp``);
+see ``DESIGN.md`` for the table of correspondences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jshard._sharding.dtypes import is_floating
+
+
+def _as_dtype(name: str, value: Any) -> np.dtype | None:
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(f"`{name}` must be a dtype such as jnp.bfloat16 or None, got {value!r}.") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`{name}` must be a floating dtype (it is a compute or reduction precision), "
+            f"got {dtype}."
+        )
+    return dtype
+
+
+def _as_axes(name: str, value: Any, allow_none: bool) -> tuple[str, ...] | None:
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"`{name}` must name at least one mesh axis, got None.")
+    axes = (value,) if isinstance(value, str) else value
+    if not isinstance(axes, tuple) or not all(isinstance(a, str) and a for a in axes):
+        raise ValueError(
+            f"`{name}` must be a mesh axis name or a tuple of them, got {value!r}."
+        )
+    if not axes:
+        if allow_none:
+            return None
+        raise ValueError(f"`{name}` must name at least one mesh axis, got ().")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"`{name}` names an axis twice: {axes}.")
+    return axes
+
+
+def _check_callable(name: str, value: Any) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Precision of gathered parameters, gradient reduction and outputs.
+
+    Args:
+      param_dtype: dtype of gathered parameters (all-gather and compute dtype). Shards
+        keep their own dtype: they are the master copy. Non-floating leaves are never
+        cast. ``None`` keeps each leaf's dtype.
+      reduce_dtype: dtype of the gradient reduce-scatter and all-reduce. ``None`` means
+        ``param_dtype`` if set, else the leaf's dtype. Reduced gradients are cast back
+        to the shard's dtype.
+      output_dtype: floating outputs of the loss function are cast to it.
+      cast_forward_inputs: cast floating inputs (the batch) to ``param_dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+      >>> mp.param_dtype
+      dtype(bfloat16)
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            object.__setattr__(self, name, _as_dtype(name, getattr(self, name)))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ValueError(
+                f"`cast_forward_inputs` must be a bool, got {self.cast_forward_inputs!r}."
+            )
+
+    def compute_dtype(self, leaf_dtype: Any) -> np.dtype:
+        """The dtype a leaf is gathered and used in: ``param_dtype`` for floating leaves.
+
+        Example:
+          >>> import jax.numpy as jnp, jshard as js
+          >>> mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+          >>> mp.compute_dtype(jnp.float32), mp.compute_dtype(jnp.int32)
+          (dtype(bfloat16), dtype('int32'))
+        """
+        leaf_dtype = np.dtype(leaf_dtype)
+        return self.param_dtype if self.param_dtype is not None and is_floating(leaf_dtype) else leaf_dtype
+
+    def gradient_dtype(self, leaf_dtype: Any) -> np.dtype:
+        """The dtype a leaf's gradient is reduced in: ``reduce_dtype``, else ``param_dtype``, else its own.
+
+        Example:
+          >>> import jax.numpy as jnp, jshard as js
+          >>> js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16).gradient_dtype(jnp.float32)
+          dtype(bfloat16)
+        """
+        return np.dtype(self.reduce_dtype or self.param_dtype or leaf_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """No offload: sharded state lives in device memory.
+
+    Example:
+      >>> import jshard as js
+      >>> js.OffloadPolicy().memory_kind is None
+      True
+    """
+
+    @property
+    def memory_kind(self) -> str | None:
+        """The memory kind of sharded state (``None``: the device's default)."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters, gradients and optimizer state live in host memory.
+
+    Args:
+      pin_memory: use page-locked host memory (``pinned_host``), which devices copy
+        from asynchronously; ``False`` uses ``unpinned_host``.
+
+    Example:
+      >>> import jshard as js
+      >>> js.CPUOffloadPolicy().memory_kind
+      'pinned_host'
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"`pin_memory` must be a bool, got {self.pin_memory!r}.")
+
+    @property
+    def memory_kind(self) -> str:
+        return "pinned_host" if self.pin_memory else "unpinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which mesh axes shard state (FSDP) and which replicate it (HSDP).
+
+    Gradients are reduce-scattered over ``shard`` axes and all-reduced over
+    ``replicate`` axes; the batch is split over both.
+
+    Args:
+      shard: a mesh axis name or a tuple of names.
+      replicate: a mesh axis name, a tuple of names, or ``None``.
+
+    Example:
+      >>> import jshard as js
+      >>> js.DataParallelMeshDims(shard="fsdp", replicate="replicate").replicate
+      ('replicate',)
+    """
+
+    shard: str | tuple[str, ...] = "fsdp"
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        shard = _as_axes("shard", self.shard, allow_none=False)
+        replicate = _as_axes("replicate", self.replicate, allow_none=True) or ()
+        overlap = set(shard) & set(replicate)
+        if overlap:
+            raise ValueError(
+                f"Mesh axes {sorted(overlap)} are named both in `shard` and `replicate`; "
+                "an axis either shards or replicates."
+            )
+        object.__setattr__(self, "shard", shard)
+        object.__setattr__(self, "replicate", replicate)
+
+
+@dataclasses.dataclass(frozen=True)
+class FullyShardPolicy:
+    """Everything that decides how one unit is sharded, gathered and reduced.
+
+    Args:
+      reshard_after_forward: ``True``: gathered parameters are freed after forward and
+        re-gathered for backward; ``False``: kept for backward; ``None``: ``False`` for
+        the root unit, ``True`` for the others; an ``int k`` (``1 < k < N``, dividing
+        N): a copy sharded over groups of ``k`` devices is kept and backward gathers
+        only inside the group.
+      shard_placement_fn: ``(key_path, leaf) -> int | None``: the dim to shard a leaf
+        on; ``None`` means the default (0, or 1 with ``scan_axis=0``).
+      mp_policy: a :class:`MixedPrecisionPolicy`.
+      offload_policy: :class:`OffloadPolicy` or :class:`CPUOffloadPolicy`.
+      ignored_params: ``(key_path, leaf) -> bool``: matching leaves are not sharded,
+        not cast and get no gradient (they are constants of the step).
+      dp_mesh_dims: a :class:`DataParallelMeshDims`; ``None`` infers it from the mesh.
+      scan_axis: ``0`` when every leaf is stacked along axis 0, one slice per layer.
+      gradient_divide_factor: reduced gradients are divided by it; ``None`` means the
+        number of data-parallel devices (the gradient of the global-batch mean).
+      force_sum_reduction_for_comms: split the division into a pre- and a post-scale
+        around the sum (FSDP2's name); by default this happens only for float16.
+      custom_all_gather: ``(shard, axis_names, dim) -> full`` replacing the
+        all-gather (e.g. :func:`jshard.int8_all_gather`).
+      custom_reduce_scatter: ``(grad, axis_names, dim) -> shard`` replacing the
+        reduce-scatter (a sum).
+      all_reduce_hook: ``(grad_shard, replicate_axes) -> grad_shard`` replacing the
+        all-reduce over replicate axes (a sum); runs on 1-D meshes too, with ``()``.
+
+    Example:
+      >>> import jshard as js
+      >>> policy = js.FullyShardPolicy(reshard_after_forward=False)
+      >>> hash(policy) == hash(js.FullyShardPolicy(reshard_after_forward=False))
+      True
+    """
+
+    reshard_after_forward: bool | int | None = None
+    shard_placement_fn: Callable[[Any, Any], int | None] | None = None
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    offload_policy: OffloadPolicy = OffloadPolicy()
+    ignored_params: Callable[[Any, Any], bool] | None = None
+    dp_mesh_dims: DataParallelMeshDims | None = None
+    scan_axis: int | None = None
+    gradient_divide_factor: float | None = None
+    force_sum_reduction_for_comms: bool = False
+    custom_all_gather: Callable[..., Any] | None = None
+    custom_reduce_scatter: Callable[..., Any] | None = None
+    all_reduce_hook: Callable[..., Any] | None = None
+
+    def __post_init__(self):
+        raf = self.reshard_after_forward
+        if raf is not None and not isinstance(raf, (bool, int)):
+            raise ValueError(f"`reshard_after_forward` must be a bool, an int or None, got {raf!r}.")
+        if isinstance(raf, int) and not isinstance(raf, bool) and raf < 2:
+            raise ValueError(
+                f"`reshard_after_forward={raf}`: an int is the size of the device group that "
+                "keeps a copy for backward and must be at least 2; use True or False instead."
+            )
+        self._check_types()
+        if self.scan_axis not in (None, 0):
+            raise ValueError(
+                f"`scan_axis` must be 0 (layers stacked along axis 0) or None, got "
+                f"{self.scan_axis!r}; move the layer axis to the front (jnp.moveaxis)."
+            )
+        factor = self.gradient_divide_factor
+        if factor is not None and (isinstance(factor, bool) or not factor > 0):
+            raise ValueError(f"`gradient_divide_factor` must be a positive number, got {factor!r}.")
+
+    def resolved_reshard_after_forward(self, root: bool) -> bool | int:
+        """``reshard_after_forward`` with ``None`` resolved: ``False`` for a root unit, ``True`` otherwise.
+
+        Example:
+          >>> import jshard as js
+          >>> js.FullyShardPolicy().resolved_reshard_after_forward(root=True)
+          False
+        """
+        raf = self.reshard_after_forward
+        return (not root) if raf is None else raf
+
+    def _check_types(self):
+        expected = {
+            "mp_policy": MixedPrecisionPolicy,
+            "offload_policy": OffloadPolicy,
+            "dp_mesh_dims": (DataParallelMeshDims, type(None)),
+        }
+        for name, kind in expected.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ValueError(f"`{name}` has the wrong type: {type(value).__name__}.")
+        for name in ("shard_placement_fn", "ignored_params", "custom_all_gather",
+                     "custom_reduce_scatter", "all_reduce_hook"):
+            _check_callable(name, getattr(self, name))
+        if not isinstance(self.force_sum_reduction_for_comms, bool):
+            raise ValueError("`force_sum_reduction_for_comms` must be a bool.")

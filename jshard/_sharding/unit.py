@@ -1,0 +1,179 @@
+"""The unit node: a pytree node whose aux data carries a unit's static facts.
+
+[Note: unit node] ``fully_shard`` wraps the user's tree in an :class:`FSDPUnit`. Its one
+child is the tree itself (with stored, padded leaves and nested sub-units); its aux data
+is a :class:`UnitMeta` (mesh, axes, policy, one layout per own leaf). Because the facts
+are aux data, they travel through ``jit``, ``grad``, ``tree_map``, Optax state and
+Orbax unchanged, and ``jax.tree.leaves`` of a unit are exactly the leaves of the tree
+it was made from, in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jshard._sharding.layout import LeafLayout
+from jshard._sharding.mesh import MeshAxes
+from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.views import current_view
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class UnitMeta:
+    """Static facts of a unit; ``layouts[i]`` is ``None`` where a sub-unit sits.
+
+    ``step_reshard`` is ``None`` except on the units a step was given, inside its
+    ``shard_map`` body: there the step sets it to the unit's resolved
+    ``reshard_after_forward`` (``None`` in the policy: ``False`` for a root, ``True``
+    otherwise), which also marks the unit as one of the step's own (a unit closed over
+    by the loss keeps ``None``).
+    """
+
+    mesh: Mesh
+    axes: MeshAxes
+    policy: FullyShardPolicy
+    layouts: tuple[LeafLayout | None, ...]
+    step_reshard: bool | int | None = None
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class FSDPUnit:
+    """A fully sharded unit: one all-gather and one reduce-scatter group.
+
+    Index it like the tree it was made from (``unit["layer1"]["w"]``); ``unit.tree`` is
+    that tree with stored (sharded, padded) leaves. Made by :func:`jshard.fully_shard`.
+
+    Example:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> unit = js.fully_shard({"w": jnp.ones((7, 3))})
+      >>> unit["w"].shape  # padded to a multiple of the 8 devices
+      (8, 3)
+    """
+
+    __slots__ = ("tree", "meta")
+
+    def __init__(self, tree: Any, meta: UnitMeta):
+        self.tree = tree
+        self.meta = meta
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("tree"), self.tree),), self.meta
+
+    def tree_flatten(self):
+        return (self.tree,), self.meta
+
+    @classmethod
+    def tree_unflatten(cls, meta: UnitMeta, children):
+        return cls(children[0], meta)
+
+    def __getitem__(self, key):
+        value = self.tree[key]
+        _check_read(self, key, value)
+        return value
+
+    def __contains__(self, key) -> bool:
+        """``key in unit`` is ``key in unit.tree`` (Flax's ``TrainState`` asks this of params)."""
+        return key in self.tree
+
+    def __repr__(self) -> str:
+        return f"FSDPUnit({self.tree!r})"
+
+    def own_entries(self) -> list[Any]:
+        """The entries that ``meta.layouts`` describes: own leaves and sub-units, in order."""
+        return jax.tree.leaves(self.tree, is_leaf=is_unit)
+
+    def with_entries(self, entries: list[Any]) -> Any:
+        """``unit.tree`` with its own entries replaced (a plain tree, not a unit)."""
+        return jax.tree.unflatten(jax.tree.structure(self.tree, is_leaf=is_unit), entries)
+
+
+READ_SHARD = (
+    "Leaf [{key!r}] of shape {shape} was read from its unit inside the step without js.unshard, so it "
+    "holds this device's shard {local} (of the padded {padded}, split over mesh axis {axis!r} of size "
+    "{n}), not the parameter. Call js.unshard(unit) right before using it (js.scan for stacked units), "
+    "or use js.value_and_grad(loss_fn) with unshard_params=True to receive full parameters."
+)
+READ_PADDED = (
+    "Leaf [{key!r}] of shape {shape} is stored padded to {padded} (split over mesh axis {axis!r} of "
+    "size {n}), and it was read under jax.grad / jax.value_and_grad of sharded parameters, which would "
+    "differentiate the padded global arrays. Use js.value_and_grad(loss_fn)(sharded, batch) instead: "
+    "it gathers each unit, unpads it and reduce-scatters its gradient."
+)
+
+
+_DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")  # JAX's tracers under jax.grad / jvp / linearize
+
+
+def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
+    """Refuse the two common ways of reading a leaf as a parameter when it is not one."""
+    view = current_view()
+    reading_shard = view is not None and not view.pregathered
+    if not hasattr(value, "shape") or not (reading_shard or type(value).__name__ in _DIFFERENTIATED):
+        return  # the common case (eager or jit reads): no layout lookup
+    layout = _own_layout(unit, key)
+    if layout is None or not layout.sharded or layout.ignored:
+        return
+    facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
+             "axis": unit.meta.axes.shard_entry,
+             "n": unit.meta.axes.shard_size}
+    if reading_shard and tuple(value.shape) != layout.shape:
+        raise RuntimeError(READ_SHARD.format(**facts))
+    if view is None and layout.padding and type(value).__name__ in _DIFFERENTIATED:
+        raise RuntimeError(READ_PADDED.format(**facts))
+
+
+def _own_layout(unit: FSDPUnit, key: Any) -> LeafLayout | None:
+    """The layout of ``unit.tree[key]`` when it is one of the unit's own leaves."""
+    flat = jax.tree_util.tree_flatten_with_path(unit.tree, is_leaf=is_unit)[0]
+    for i, (path, _) in enumerate(flat):
+        if len(path) == 1 and getattr(path[0], "key", getattr(path[0], "idx", None)) == key:
+            return unit.meta.layouts[i] if i < len(unit.meta.layouts) else None
+    return None
+
+
+def is_unit(x: Any) -> bool:
+    return isinstance(x, FSDPUnit)
+
+
+def map_unit_leaves(fn: Any, tree: Any, *rest: Any) -> Any:
+    """Map ``fn(meta, layout, leaf, *rest_leaves)`` over every leaf of ``tree``.
+
+    ``meta`` and ``layout`` are the leaf's unit's :class:`UnitMeta` and the leaf's
+    :class:`LeafLayout`, both ``None`` for a leaf outside any unit.
+    ``rest`` are trees of the same structure. Units keep their metas.
+    """
+    if is_unit(tree):
+        entries = tree.own_entries()
+        treedef = jax.tree.structure(tree.tree, is_leaf=is_unit)
+        others = [treedef.flatten_up_to(r.tree) for r in rest]
+        out = []
+        for i, (layout, x) in enumerate(zip(tree.meta.layouts, entries, strict=True)):
+            rs = [o[i] for o in others]
+            out.append(map_unit_leaves(fn, x, *rs) if layout is None else fn(tree.meta, layout, x, *rs))
+        return FSDPUnit(jax.tree.unflatten(treedef, out), tree.meta)
+    treedef = jax.tree.structure(tree, is_leaf=is_unit)
+    entries = treedef.flatten_up_to(tree)
+    others = [treedef.flatten_up_to(r) for r in rest]
+    out = []
+    for i, x in enumerate(entries):
+        rs = [o[i] for o in others]
+        out.append(map_unit_leaves(fn, x, *rs) if is_unit(x) else fn(None, None, x, *rs))
+    return jax.tree.unflatten(treedef, out)
+
+
+def all_units(tree: Any) -> list[tuple[FSDPUnit, bool]]:
+    """Every unit in ``tree`` with whether it is a root (inside no other unit), outer first."""
+    found: list[tuple[FSDPUnit, bool]] = []
+
+    def visit(x: Any, root: bool) -> None:
+        for entry in jax.tree.leaves(x.tree if is_unit(x) else x, is_leaf=is_unit):
+            if is_unit(entry):
+                found.append((entry, root))
+                visit(entry, False)
+
+    visit([tree], True)
+    return found

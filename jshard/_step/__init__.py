@@ -1,0 +1,1 @@
+"""The training step in the local view: gathers, gradient reduction, remat, segments, scan."""

@@ -1,0 +1,220 @@
+"""Local-view unshard: gather a unit's shards just in time; reduce their gradients.
+
+Gathered values are tagged with ``checkpoint_name``: ``FREE`` for units that reshard
+after forward, ``SAVED`` for the others and for the group copies of
+``reshard_after_forward=k``; see [Note: remat policy] in ``remat.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from jshard._sharding.dtypes import is_floating
+from jshard._sharding.layout import LeafLayout, memory_kind, pad
+from jshard._sharding.mesh import MeshAxes
+from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.unit import FSDPUnit, UnitMeta
+from jshard._sharding.views import LocalView
+from jshard._step import collectives as C
+from jshard._step.offload import to_device, to_host
+from jshard._step.remat import FREE, GATHER_START, SAVED, depend, unpad_gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafComm:
+    """Static facts one leaf's gather and reduction need (hashable: a custom_vjp arg)."""
+
+    layout: LeafLayout
+    axes: MeshAxes
+    policy: FullyShardPolicy
+    divide_factor: float
+    skip_all_reduce: bool = False
+    in_loop: bool = False  # one layer of a stack in a loop body, which orders its gathers itself
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        return self.policy.mp_policy.compute_dtype(self.layout.dtype)
+
+    @property
+    def offloaded(self) -> bool:
+        return memory_kind(self.layout, self.policy) is not None
+
+    @property
+    def reduce_dtype(self) -> np.dtype:
+        return self.policy.mp_policy.gradient_dtype(self.layout.dtype)
+
+
+def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    x = to_device(shard, comm.offloaded).astype(comm.param_dtype)
+    if not comm.layout.sharded:
+        return x
+    all_gather = comm.policy.custom_all_gather or C.all_gather
+    return _unpad(comm, all_gather(x, comm.axes.shard, comm.layout.dim))
+
+
+def _unpad(comm: LeafComm, full: jax.Array) -> jax.Array:
+    layout = comm.layout
+    return unpad_gathered(full, layout.dim, layout.shape[layout.dim])
+
+
+def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
+    """The gradient of a gathered leaf, reduced to this device's shard.
+
+    Cast to ``reduce_dtype``, reduce-scatter over the shard axes (all-reduce for a
+    replicated leaf), all-reduce over replicate axes, divide, cast to the shard dtype.
+    """
+    layout, policy = comm.layout, comm.policy
+    g = g.astype(comm.reduce_dtype)
+    pre, post = C.divide_factors(comm.divide_factor, g.dtype, policy.force_sum_reduction_for_comms)
+    if pre != 1:
+        g = g / pre
+    if layout.sharded:
+        scatter = policy.custom_reduce_scatter or C.reduce_scatter
+        g = scatter(pad(g, layout), comm.axes.shard, layout.dim)
+    else:
+        g = C.all_reduce(g, comm.axes.shard)
+    if not comm.skip_all_reduce:
+        g = (policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
+    return to_host((g / post).astype(layout.dtype), comm.offloaded)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather_shard(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    """All-gather a shard in ``param_dtype``; its gradient is :func:`reduce_gradient`."""
+    return _gather_cast(comm, shard)
+
+
+def _gather_fwd(comm, shard):
+    return _gather_cast(comm, shard), None
+
+
+def _gather_bwd(comm, _, g):
+    return (reduce_gradient(comm, g),)
+
+
+gather_shard.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather_from_group_copy(comm: LeafComm, shard: jax.Array, group_copy: jax.Array) -> jax.Array:
+    """Gather the full leaf from the copies held by groups of ``k`` devices.
+
+    Device ``i`` of group ``i // k`` holds rows ``[(i//k)*k*c, (i//k+1)*k*c)``; gathering
+    across devices with the same ``i % k`` concatenates the groups' copies in order.
+    The gather depends on ``shard`` through a zero, so that where the step replaces the
+    shard in backward the re-gather is ordered there too ([Note: unrolled units]).
+    """
+    return _gather_across_groups(comm, shard, group_copy)
+
+
+def _gather_across_groups(comm: LeafComm, shard: jax.Array, group_copy: jax.Array) -> jax.Array:
+    if not comm.in_loop:  # the dependence costs a transient group copy (+0.13 MiB measured on jax 0.12)
+        group_copy = depend(group_copy, [shard])
+    return _unpad(comm, C.all_gather(group_copy, comm.axes.shard, comm.layout.dim, _across_groups(comm)))
+
+
+def _from_group_fwd(comm, shard, group_copy):
+    return _gather_across_groups(comm, shard, group_copy), group_copy.shape
+
+
+def _from_group_bwd(comm, group_shape, g):
+    return reduce_gradient(comm, g), jnp.zeros(group_shape, comm.param_dtype)
+
+
+gather_from_group_copy.defvjp(_from_group_fwd, _from_group_bwd)
+
+
+def _group_size(comm: LeafComm) -> int:
+    return int(comm.policy.reshard_after_forward)
+
+
+def _within_groups(comm: LeafComm) -> list[list[int]]:
+    n, k = comm.axes.shard_size, _group_size(comm)
+    return [list(range(g * k, (g + 1) * k)) for g in range(n // k)]
+
+
+def _across_groups(comm: LeafComm) -> list[list[int]]:
+    n, k = comm.axes.shard_size, _group_size(comm)
+    return [list(range(r, n, k)) for r in range(k)]
+
+
+def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | int) -> jax.Array:
+    """Gather one leaf for compute, tagged for the remat policy (see the Note above).
+
+    The shard is named :data:`GATHER_START` first: the step cuts unrolled code into
+    segments there (see [Note: unrolled units] in ``segments.py``).
+    """
+    shard = checkpoint_name(shard, GATHER_START)
+    if not is_floating(comm.layout.dtype):
+        return jax.lax.stop_gradient(_gather_cast(comm, shard))
+    raf = reshard_after_forward
+    if isinstance(raf, bool) or not comm.layout.sharded:
+        return checkpoint_name(gather_shard(comm, shard), FREE if raf else SAVED)
+    x = to_device(jax.lax.stop_gradient(shard), comm.offloaded).astype(comm.param_dtype)
+    group_copy = checkpoint_name(C.all_gather(x, comm.axes.shard, comm.layout.dim, _within_groups(comm)), SAVED)
+    return checkpoint_name(gather_from_group_copy(comm, shard, group_copy), FREE)
+
+
+def leaf_comm(
+    layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, view: LocalView, in_loop: bool = False
+) -> LeafComm:
+    factor = policy.gradient_divide_factor or axes.data_parallel_size
+    return LeafComm(layout, axes, policy, float(factor), view.skip_all_reduce, in_loop)
+
+
+NOT_IN_STEP = (
+    "js.unshard got a unit that was not passed to this step (units must be part of the `sharded` "
+    "argument of the grad function, not closed over); pass it in `sharded`."
+)
+
+
+def step_reshard(meta: UnitMeta) -> bool | int:
+    """How a unit of this step reshards after forward (``UnitMeta.step_reshard``), or a clear
+    error for a unit the step was not given."""
+    if meta.step_reshard is None:
+        raise ValueError(NOT_IN_STEP)
+    return meta.step_reshard
+
+
+def layer_layout(layout: LeafLayout) -> LeafLayout:
+    """The layout of one layer's slice of a leaf stacked along axis 0."""
+    dim = None if layout.dim is None else layout.dim - 1
+    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim)
+
+
+def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:
+    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` /
+    ``nn.scan`` body over a stacked unit), rather than the whole stored leaf."""
+    return policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1
+
+
+def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer: bool = False) -> list[Any]:
+    """The one gather path: ``entries`` (a unit's own shards and sub-unit placeholders, in
+    ``unit.own_entries()`` order; ``meta`` its meta) with every own, non-ignored leaf
+    gathered for compute.
+
+    ``layer=True``: the entries are one layer's slices of a stacked unit (``js.scan``,
+    ``nnx.scan``, ``nn.scan`` bodies). Used by :func:`jshard.unshard` in the local view,
+    :func:`jshard.scan` and the NNX and Linen adapters.
+    """
+    raf = step_reshard(meta)  # a unit of this step, or a clear error
+    if view.pregathered:
+        return list(entries)
+    out = list(entries)
+    for i, layout in enumerate(meta.layouts):
+        if layout is not None and not layout.ignored:
+            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer)
+            out[i] = gather_leaf(comm, entries[i], raf)
+    return out
+
+
+def unshard_unit(unit: FSDPUnit, view: LocalView) -> Any:
+    """The unit's tree with its own leaves gathered; sub-units stay units."""
+    return unit.with_entries(gather_entries(unit.meta, unit.own_entries(), view))

@@ -1,0 +1,152 @@
+"""The remat policy behind ``reshard_after_forward``, and the primitive it needs.
+
+[Note: remat policy] A names-based policy alone does not free gathered parameters: remat
+decides per equation, so when the ``checkpoint_name`` of a gathered value is not
+saveable it saves the *input* of the name instead, which is just as large (the output of
+the slice that removes padding, or of the all-gather). :data:`REMAT_POLICY` therefore
+refuses: values named :data:`FREE` (and :data:`GATHER_START`), outputs of ``all_gather``,
+and outputs of :data:`unpad_p` and :data:`depend_p`, jshard's own slice and dependence
+primitives (a plain ``slice`` or ``add`` would catch the user's too). Remat then walks
+back to the shard, which is saved, and re-gathers in backward. Everything else is
+saveable, so activations are not recomputed. Values named :data:`SAVED` (gathered units
+that keep their parameters, group copies of ``reshard_after_forward=k``) are saved at
+the name.
+
+[Note: nested remat] JAX applies the outermost ``jax.checkpoint``'s policy to everything
+inside it, so a ``jax.checkpoint`` the user writes inside ``loss_fn`` or a ``js.scan``
+body has no effect under the step's. :func:`remat_policy` therefore combines the user's
+activation policy (``value_and_grad(remat_policy=...)``) with jshard's: a value is saved
+only if both allow it, except ``SAVED`` gathers, which are always kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend
+from jax.interpreters import ad, batching, mlir
+
+FREE = "jshard_gathered"
+SAVED = "jshard_saved"
+GATHER_START = "jshard_gather_start"  # a shard about to be gathered: where the step cuts segments
+
+unpad_p = jax.extend.core.Primitive("jshard_unpad")
+
+
+def unpad_gathered(x: jax.Array, dim: int, size: int) -> jax.Array:
+    """``x[..., :size, ...]`` along ``dim``, as a primitive the remat policy recognises."""
+    if x.shape[dim] == size:
+        return x
+    return unpad_p.bind(x, dim=dim, size=size)
+
+
+def _slice(x, *, dim, size):
+    return jax.lax.slice_in_dim(x, 0, size, axis=dim)
+
+
+def _abstract_eval(x, *, dim, size):
+    return x.update(shape=x.shape[:dim] + (size,) + x.shape[dim + 1 :])
+
+
+def _transpose(ct, x, *, dim, size):
+    widths = [(0, 0, 0)] * ct.ndim
+    widths[dim] = (0, x.aval.shape[dim] - size, 0)
+    return [jax.lax.pad(ct, jax.numpy.zeros((), ct.dtype), widths)]
+
+
+def _batch(args, dims, *, dim, size):
+    (x,), (bd,) = args, dims
+    x = jax.numpy.moveaxis(x, bd, 0)
+    return unpad_p.bind(x, dim=dim + 1, size=size), 0
+
+
+unpad_p.def_impl(_slice)
+unpad_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(unpad_p, mlir.lower_fun(_slice, multiple_results=False))
+ad.deflinear2(unpad_p, _transpose)
+batching.primitive_batchers[unpad_p] = _batch
+
+
+depend_p = jax.extend.core.Primitive("jshard_depend")
+
+
+def depend(x: jax.Array, sources: Sequence[jax.Array]) -> jax.Array:
+    """``x`` plus a zero that depends on one element of each of ``sources``.
+
+    The zero is ``e * 0`` where ``e`` is finite, else ``0``: exactly zero, never NaN, and
+    not foldable (XLA cannot prove ``e * 0 == 0`` for floats). It is computed inside
+    :data:`depend_p`, a primitive the remat policy refuses to save, so that in backward
+    the dependence is recomputed from ``sources`` rather than saved (see [Note: unrolled
+    units] in ``segments.py``). Integer ``x`` is returned as it is.
+    """
+    if not jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
+        return x
+    elements = [jax.numpy.ravel(s)[0] for s in sources if _readable(s)]
+    return depend_p.bind(x, *elements) if elements else x
+
+
+def _readable(s: Any) -> bool:
+    return hasattr(s, "dtype") and s.size > 0 and s.dtype != jax.dtypes.float0
+
+
+def _zero(elements) -> jax.Array:
+    total = jax.numpy.zeros((), jax.numpy.float32)
+    for e in elements:
+        e = e.astype(jax.numpy.float32)
+        total = total + jax.numpy.where(jax.numpy.isfinite(e), e * 0.0, 0.0)
+    return total
+
+
+def _depend_impl(x, *elements):
+    return x + _zero(elements).astype(x.dtype)
+
+
+def _depend_jvp(primals, tangents):
+    return depend_p.bind(*primals), ad.instantiate_zeros(tangents[0])  # the zero has no derivative
+
+
+def _depend_batch(args, dims):
+    (x, *elements), (xd, *eds) = args, dims
+    if any(d is not None for d in eds):  # per-example zeros: plain jnp (batched values are not remat'd here)
+        zero = _zero([jax.numpy.moveaxis(e, d, 0) if d is not None else e for e, d in zip(elements, eds, strict=True)])
+        x = jax.numpy.moveaxis(x, xd, 0) if xd is not None else x[None]
+        return x + zero.astype(x.dtype).reshape(zero.shape + (1,) * (x.ndim - 1)), 0
+    return depend_p.bind(x, *elements), xd
+
+
+depend_p.def_impl(_depend_impl)
+depend_p.def_abstract_eval(lambda x, *elements: x)
+mlir.register_lowering(depend_p, mlir.lower_fun(_depend_impl, multiple_results=False))
+ad.primitive_jvps[depend_p] = _depend_jvp
+batching.primitive_batchers[depend_p] = _depend_batch
+
+
+# Cheap layout and dtype changes: recomputed in backward rather than saved, so that a
+# parameter the model slices, casts, transposes or reshapes is re-gathered, not kept in
+# its derived form (their inputs are saved instead when they are activations).
+_RECOMPUTED = frozenset({"convert_element_type", "transpose", "reshape", "broadcast_in_dim", "slice",
+                         "squeeze", "expand_dims", "copy", "copy_p", "rev"})
+
+
+def _policy(prim, *_, **params) -> bool:
+    if prim.name == "name":
+        return params["name"] not in (FREE, GATHER_START)
+    return prim not in (unpad_p, depend_p) and prim.name != "all_gather" and prim.name not in _RECOMPUTED
+
+
+REMAT_POLICY = _policy
+
+
+def remat_policy(activations=None):
+    """jshard's policy, combined with a ``jax.checkpoint`` policy for activations."""
+    if activations is None:
+        return REMAT_POLICY
+
+    def policy(prim, *args, **params):
+        if prim.name == "name" and params["name"] == SAVED:
+            return True
+        return _policy(prim, *args, **params) and activations(prim, *args, **params)
+
+    return policy

@@ -1,0 +1,175 @@
+"""Unit boundaries for unrolled code: the step's loss cut at each unit's gather.
+
+[Note: unrolled units] A unit gathered by :func:`jshard.unshard` in straight-line code
+(a Python loop over layers, an NNX or Linen module per block, a Hugging Face layer
+stack) is not bounded by remat alone. Its gather depends only on parameters, so XLA
+schedules every gather at the top of the program; the re-gather that remat places in
+backward is the same computation as the forward gather, so XLA's CSE merges the two
+(XLA:CPU first drops ``optimization_barrier`` in ``cse_barrier_expander``), and every
+gathered unit stays alive until its backward. Measured before this: 8 units of 1 MiB
+in a Python loop kept 8.0 MiB of temporaries, one whole unit more per layer.
+
+The step therefore traces the loss to a jaxpr and cuts its top-level equations into
+**segments**: a new segment starts at a gather (a ``checkpoint_name``
+:data:`GATHER_START` on a shard, emitted by ``gather.gather_leaf``) that follows compute
+(an equation reading something other than parameters). Each segment runs as a
+``custom_vjp`` whose data dependences order the program on every backend:
+
+- forward: each shard the segment gathers is ``depend``-ed on the activations the
+  segment receives from earlier segments, so a unit is gathered no earlier than the
+  layer before it has produced its input (at most the running unit and, while it runs,
+  the next one are gathered);
+- backward: the same shards, as saved in the residuals, are ``depend``-ed on the
+  segment's incoming cotangents, so the re-gather waits for the backward of the layers
+  after it and is a different computation from the forward gather (CSE cannot merge it).
+
+``depend(x, sources)`` (``remat.py``) adds a zero read from one element of each source:
+``e * 0`` where ``e`` is finite, else 0. It is exactly zero, never NaN, and XLA cannot
+fold it (it cannot prove ``e * 0 == 0`` for floats); it is a primitive the remat policy
+refuses to save, so a dependence inside a checkpoint is recomputed with it in backward
+(``reshard_after_forward=k`` re-gathers from its saved group copy that way).
+
+Inside a segment, ``jax.vjp`` of the segment under the step's names-based remat policy
+decides what is saved (activations) and what is recomputed (gathered parameters); the
+shards are found among its residuals by identity and only they are replaced in backward.
+A loss with one segment (stacked units under :func:`jshard.scan`, or every unit gathered
+up front) runs as one checkpoint of the traced jaxpr, as before. Limits: a gather inside
+a nested jaxpr (a ``jax.jit``, ``jax.checkpoint`` or scan inside ``loss_fn``) belongs to
+that equation, which is not cut; a gathered unit read again in a later segment (a tied
+embedding) is carried to it, so it stays gathered in between; the last segment's
+cotangent is the constant 1 of the loss, so its re-gather may be merged with its
+forward gather, which it follows at once anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from jshard._step.remat import GATHER_START, depend
+
+
+def _is_start(eqn: Any) -> bool:
+    return eqn.primitive.name == "name" and eqn.params.get("name") == GATHER_START
+
+
+class _Segment:
+    """A run of top-level equations: its inputs, outputs and the shards it gathers."""
+
+    def __init__(self, eqns: list[Any]):
+        self.eqns = eqns
+        self.inputs: list[Any] = []
+        self.outputs: list[Any] = []
+        self.gathered: set[Any] = set()
+        for eqn in eqns:
+            if _is_start(eqn) and not isinstance(eqn.invars[0], jcore.Literal):
+                self.gathered.add(eqn.invars[0])
+
+
+def _split(eqns: Sequence[Any], params: set[Any]) -> list[list[Any]]:
+    """Cut before a gather that follows compute (an equation reading non-parameter values)."""
+    segments: list[list[Any]] = [[]]
+    derived = set(params)  # values computed from parameters (shards, gathers) alone
+    computed = False
+    for eqn in eqns:
+        if _is_start(eqn) and computed:
+            segments.append([])
+            computed = False
+        segments[-1].append(eqn)
+        reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        if all(v in derived for v in reads):
+            derived.update(eqn.outvars)
+        else:
+            computed = True
+    return [s for s in segments if s]
+
+
+def _wire(segments: list[_Segment], jaxpr: Any) -> None:
+    """Each segment's inputs (read, defined elsewhere) and outputs (read later)."""
+    later: set[Any] = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    for seg in reversed(segments):
+        defined = {v for eqn in seg.eqns for v in eqn.outvars}
+        seg.outputs = [v for v in _ordered_defs(seg) if v in later]
+        reads = [v for eqn in seg.eqns for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        seg.inputs = list(dict.fromkeys(v for v in reads if v not in defined))
+        later |= set(seg.inputs)
+
+
+def _ordered_defs(seg: _Segment) -> list[Any]:
+    return [v for eqn in seg.eqns for v in eqn.outvars if not isinstance(v, jcore.DropVar)]
+
+
+def _evaluator(seg: _Segment, effects: Any) -> Callable[..., list[Any]]:
+    info = jcore.DebugInfo("jshard segment", "jshard._step.segments", None, None)
+    jaxpr = jcore.Jaxpr([], seg.inputs, seg.outputs, seg.eqns, effects, info)
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
+
+
+def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any]) -> list[Any]:
+    """Run one segment as a ``custom_vjp`` with the Note's forward and backward dependences.
+
+    ``earlier``: the values produced by earlier segments (the activations it depends on).
+    """
+    shard_at = [i for i, v in enumerate(seg.inputs) if v in seg.gathered]
+    act_at = [i for i, v in enumerate(seg.inputs) if v in earlier and v not in seg.gathered]
+    stash: dict[str, Any] = {}
+
+    def with_dep(vals: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
+        vals = list(vals)
+        for i in shard_at:
+            vals[i] = depend(vals[i], sources)
+        return vals
+
+    checkpointed = jax.checkpoint(run, policy=policy)
+
+    @jax.custom_vjp
+    def segment(*vals):
+        return run(*with_dep(vals, [vals[i] for i in act_at]))
+
+    def fwd(*vals):
+        vals = with_dep(vals, [vals[i] for i in act_at])
+        outs, vjp_fn = jax.vjp(checkpointed, *vals)
+        leaves, stash["tree"] = jax.tree.flatten(vjp_fn)
+        shards = [vals[i] for i in shard_at]
+        stash["at"] = [k for k, leaf in enumerate(leaves) if any(leaf is s for s in shards)]
+        return outs, leaves
+
+    def bwd(leaves, cts):
+        leaves = [depend(x, cts) if k in stash["at"] else x for k, x in enumerate(leaves)]
+        return tuple(jax.tree.unflatten(stash["tree"], leaves)(cts))
+
+    segment.defvjp(fwd, bwd)
+    return segment(*values)
+
+
+def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..., Any]:
+    """``fn`` (whose first ``n_params`` flat arguments are shards) cut at unit boundaries.
+
+    With one segment it is ``jax.checkpoint(fn, policy=policy)`` as before (of the jaxpr
+    already traced: ``fn`` runs once, whatever its trace-time side effects).
+    """
+
+    def run(*args: Any) -> Any:
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        jaxpr = closed.jaxpr
+        pieces = _split(jaxpr.eqns, set(jaxpr.invars[:n_params]) | set(jaxpr.constvars))
+        flat_args = jax.tree.leaves(args)
+        if len(pieces) <= 1:
+            flat = jax.checkpoint(jcore.jaxpr_as_fun(closed), policy=policy)(*flat_args)
+            return jax.tree.unflatten(jax.tree.structure(shape), flat)
+        segments = [_Segment(p) for p in pieces]
+        _wire(segments, jaxpr)
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, flat_args, strict=True))
+        earlier: set[Any] = set()
+        for seg in segments:
+            outs = _call(seg, _evaluator(seg, jaxpr.effects), policy, earlier, [env[v] for v in seg.inputs])
+            env.update(zip(seg.outputs, outs, strict=True))
+            earlier |= set(seg.outputs)
+        flat = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return run

@@ -1,0 +1,1 @@
+"""The NNX adapter: a sharded module gathers its own parameters when called."""
