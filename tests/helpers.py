@@ -1,4 +1,4 @@
-"""Shared test references: torch.chunk layout in NumPy, and device coordinates."""
+"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks."""
 
 from __future__ import annotations
 
@@ -37,6 +37,24 @@ def assert_torch_layout(stored, original: np.ndarray, mesh, shard_axes: tuple[st
         np.testing.assert_array_equal(np.asarray(shard.data), chunks[i])
         seen.add(i)
     assert seen == set(range(n))
+
+
+def padding_values(tree) -> np.ndarray:
+    """Every padding element of every stored leaf of ``tree`` (units), concatenated, as float32.
+
+    Empty when nothing is padded; all zeros when the layout holds (``[Note: layout]``).
+    """
+    import jax
+
+    from jshard._sharding.unit import map_unit_leaves
+
+    def values(meta, layout, x):
+        if layout is None or not layout.padding:
+            return np.zeros((0,), np.float32)
+        rows = range(layout.shape[layout.dim], layout.padded)
+        return np.take(np.asarray(x), rows, layout.dim).ravel().astype(np.float32)
+
+    return np.concatenate(jax.tree.leaves(map_unit_leaves(values, tree)))
 
 
 def run_nnx_blocks(blocks, x, scan: bool):

@@ -14,9 +14,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import padding_values
 
 import jshard as js
-from jshard._sharding.unit import map_unit_leaves
 from jshard.checkpoint import CheckpointManager
 from jshard.optim import shard_optimizer
 from jshard.state_dict import full_state_dict
@@ -68,20 +68,8 @@ def _assert_restored(restored, like, saved):
     for got, want in zip(jax.tree.leaves(full_got), jax.tree.leaves(full_want), strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
-    padding = _padding(restored)
+    padding = padding_values(restored)
     assert padding.size and not padding.any()
-
-
-def _padding(tree):
-    """Every padding element of every stored leaf, concatenated."""
-
-    def rows(meta, layout, x):
-        if layout is None or not layout.padding:
-            return np.zeros((0,), np.float32)
-        pad_rows = range(layout.shape[layout.dim], layout.padded)
-        return np.take(np.asarray(x), pad_rows, layout.dim).ravel().astype(np.float32)
-
-    return np.concatenate(jax.tree.leaves(map_unit_leaves(rows, tree)))
 
 
 MESH4 = lambda: js.make_mesh(devices=jax.devices()[:4])  # noqa: E731
@@ -169,7 +157,6 @@ import os, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp, numpy as np, jshard as js
-from jshard._sharding.unit import map_unit_leaves
 from jshard.checkpoint import CheckpointManager
 base = np.arange(512 * 1024, dtype=np.float32).reshape(2048, 256)
 with CheckpointManager(sys.argv[1], async_save=True) as ckpt:

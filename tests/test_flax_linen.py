@@ -10,24 +10,11 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from flax_models import BATCH, Config, batches, causal_attention, max_diff
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jshard as js
 from jshard.flax import linen as jlinen
-
-STEPS = 10
-BATCH = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    vocab: int = 37
-    seq: int = 8
-    dim: int = 16
-    heads: int = 2
-    layers: int = 2
-    tied: bool = False
-    scan: bool = False
 
 
 class Attention(nn.Module):
@@ -35,12 +22,8 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        b, t, d = x.shape
-        h = self.cfg.heads
-        q, k, v = (y.reshape(b, t, h, d // h) for y in jnp.split(nn.Dense(3 * d, name="qkv")(x), 3, axis=-1))
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (d // h) ** 0.5
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-        return nn.Dense(d, name="out")(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d))
+        d = x.shape[-1]
+        return nn.Dense(d, name="out")(causal_attention(nn.Dense(3 * d, name="qkv")(x), self.cfg.heads))
 
 
 class Block(nn.Module):
@@ -87,16 +70,6 @@ def sharded_model(cfg: Config, block_policy=None, root_policy=None) -> nn.Module
     return root(cfg, block=block, scan_block=block)
 
 
-def batches(cfg: Config):
-    key = jax.random.key(1)
-    for _ in range(STEPS):
-        k1, k2, key = jax.random.split(key, 3)
-        yield {
-            "x": jax.random.randint(k1, (BATCH, cfg.seq), 0, cfg.vocab),
-            "y": jax.random.randint(k2, (BATCH, cfg.seq), 0, cfg.vocab),
-        }
-
-
 def init_params(cfg: Config):
     return Transformer(cfg).init(jax.random.key(0), jnp.zeros((2, cfg.seq), jnp.int32))["params"]
 
@@ -140,10 +113,6 @@ def train(model, params, grad_fn, cfg: Config):
 @functools.cache
 def reference(cfg: Config):
     return train(Transformer(cfg), init_params(cfg), jax.value_and_grad, cfg)
-
-
-def max_diff(a, b) -> float:
-    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y.astype(x.dtype)).max()), a, b)))
 
 
 def test_wrapped_init_has_the_unwrapped_structure():

@@ -194,7 +194,7 @@ def test_errors_name_the_leaf_shape_axis_and_fix():
 
 def test_bad_input_leaves_original_untouched():
     params = {"w": jnp.ones((3, 4)), "bad": "x"}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"Leaf \['bad'\].*a str is not an array"):
         js.fully_shard(params)
     assert params["w"].shape == (3, 4) and params["bad"] == "x"
 

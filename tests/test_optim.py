@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import padding_values
 from jax.sharding import AxisType
 
 import jshard as js
@@ -112,17 +113,6 @@ def _max_error(sharded, reference):
     return max(float(np.max(np.abs(x - np.asarray(y)), initial=0)) for x, y in pairs)
 
 
-def _padding_rows(tree):
-    """Every padding row of every stored leaf, concatenated (empty when nothing is padded)."""
-
-    def rows(meta, layout, x):
-        if layout is None or not layout.padding:
-            return np.zeros((0,))
-        return np.take(np.asarray(x), range(layout.shape[layout.dim], layout.padded), layout.dim).ravel()
-
-    return np.concatenate(jax.tree.leaves(map_unit_leaves(rows, tree)))
-
-
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_matches_unsharded_reference_every_step(name, mesh_name):
@@ -131,7 +121,7 @@ def test_matches_unsharded_reference_every_step(name, mesh_name):
                                                         strict=True):
         assert _max_error(params, ref_params) < TOLERANCE
         assert _max_error(state, ref_state) < TOLERANCE  # the state too, at its own layouts
-        padding = np.concatenate([_padding_rows(params), _padding_rows(state)])
+        padding = np.concatenate([padding_values(params), padding_values(state)])
         assert padding.size and not padding.any()
 
 

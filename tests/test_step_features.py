@@ -176,6 +176,24 @@ def test_step_errors():
         js.scan(lambda c, x: (c, None), 0.0, sharded)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"unshard_params": False}, {"microbatches": 2},
+                                    {"requires_gradient_sync": False}], ids=["full", "units", "micro", "deferred"])
+def test_gradients_have_exactly_the_structure_and_metas_of_sharded(kwargs):
+    """Inside the step the units' metas are marked (``step_reshard``); the gradients leave unmarked."""
+    sharded = js.fully_shard({"block": js.fully_shard(_params()), "b": jnp.ones((3,))})
+
+    def loss(p, x):
+        if kwargs.get("unshard_params", True):
+            root, block = p, p["block"]
+        else:
+            root = js.unshard(p)
+            block = js.unshard(root["block"])
+        return jnp.mean(x @ block["w"]) * block["s"] + jnp.sum(root["b"] ** 2)
+
+    _, grads = jax.jit(js.value_and_grad(loss, **kwargs))(sharded, X)
+    assert jax.tree.structure(grads) == jax.tree.structure(sharded)  # aux data included: the metas are the units'
+
+
 def test_scan_in_the_global_view_runs_the_full_stack():
     stack = {"w": jnp.ones((3, 4, 4)) * 0.5}
     sharded = js.fully_shard(stack, policy=js.FullyShardPolicy(scan_axis=0))

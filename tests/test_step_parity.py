@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import padding_values
 from jax.sharding import AxisType
 from model import batches, init_params, shard, train_reference, train_sharded
 
@@ -24,19 +25,7 @@ def _check(reference, losses, sharded, grads, state=None, tol=1e-5):
     for (path, got), want in zip(jax.tree.flatten_with_path(full)[0], jax.tree.leaves(ref_params), strict=True):
         assert got.shape == want.shape, path
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol, err_msg=str(path))
-    _check_padding_is_zero(sharded)
-    _check_padding_is_zero(grads)
-
-
-def _check_padding_is_zero(tree):
-    def check(meta, layout, x):
-        if layout is not None and layout.padding:
-            rows = np.take(np.asarray(x), np.arange(layout.shape[layout.dim], layout.padded), axis=layout.dim)
-            assert not rows.any(), layout
-
-    from jshard._sharding.unit import map_unit_leaves
-
-    map_unit_leaves(check, tree)
+    assert not padding_values(sharded).any() and not padding_values(grads).any()
 
 
 @pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
