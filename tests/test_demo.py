@@ -53,3 +53,14 @@ def test_text_ships_with_the_package():
     text = demo.load_text()
     assert 50_000 < len(text) < 200_000
     assert "Shall I compare thee to a summer's day?" in text
+
+
+def test_demo_runs_without_its_extras(tmp_path, monkeypatch, capsys):
+    """tqdm and matplotlib are the `[demo]` extra: without them, plain progress lines and no plot."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with jax.numpy_dtype_promotion("standard"):
+        result = demo.main(["--steps", "2", "--size", "tiny", "--out-dir", str(tmp_path), "--sample-chars", "5"])
+    assert result["plot"] is None and list(tmp_path.iterdir()) == []
+    assert "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)" in (
+        capsys.readouterr().out)
