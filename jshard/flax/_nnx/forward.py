@@ -88,9 +88,8 @@ def gather_module(module: Any, view: Any) -> list[tuple[Any, Any]]:
     if view.pregathered or not own:
         return []
     shards = [p.get_raw_value() for _, p in own]
-    layer = any(is_layer_slice(x, meta.layouts[i], meta.policy) for (i, _), x in zip(own, shards, strict=True))
     values = [None if is_sub else p.get_raw_value() for (_, is_sub), p in zip(state.entries, params, strict=True)]
-    flat = gather_entries(meta, values, view, layer=layer)
+    flat = gather_entries(meta, values, view, layer=_is_stacked_slice(module))
     full = [flat[i] for i, _ in own]
     for (_, p), x in zip(own, full, strict=True):
         p.set_value(x)
