@@ -71,15 +71,24 @@ def _leaf_dtypes(layout: LeafLayout, policy) -> tuple[np.dtype, np.dtype]:
     return mp.compute_dtype(layout.dtype), mp.gradient_dtype(layout.dtype)
 
 
+def _model_parts(layout: LeafLayout, axes: Any, gathered: bool = False) -> int:
+    """How many model-axis blocks a device's copy of the leaf is one of (1 without model axes);
+    ``gathered``: of the gathered leaf, whose composed placement dim is whole."""
+    dims = [names for d, names in enumerate(layout.model) if not (gathered and layout.composed and d == layout.dim)]
+    return math.prod(axes.model_size(names) for names in dims)
+
+
 def _leaf_traffic(layout: LeafLayout, unit: FSDPUnit, raf: bool | int) -> tuple[float, float, float]:
-    """(all-gather, reduce-scatter, all-reduce) bytes per device per microbatch for one leaf."""
+    """(all-gather, reduce-scatter, all-reduce) bytes per device per microbatch for one leaf, over
+    the data-parallel axes (a model-split leaf moves its own model-axis block only)."""
     n, r = unit.meta.axes.shard_size, unit.meta.axes.replicate_size
     b_c, b_r = (_itemsize(d) for d in _leaf_dtypes(layout, unit.meta.policy))
     trainable = is_floating(layout.dtype)
+    parts = _model_parts(layout, unit.meta.axes)
     if not layout.sharded:
-        size = math.prod(layout.shape)
+        size = math.prod(layout.shape) / parts
         return 0.0, 0.0, (2.0 * size * b_r * ((n - 1) / n + (r - 1) / r) if trainable else 0.0)
-    padded = math.prod(layout.padded_shape)
+    padded = math.prod(layout.padded_shape) / parts
     gather = padded * b_c * (n - 1) / n
     if raf is True:
         gather *= 2
@@ -98,14 +107,16 @@ def _gathered_bytes(unit: FSDPUnit) -> int:
         if layout is None or layout.ignored:
             continue
         shape = layout.shape[1:] if stacked else layout.shape
-        total += math.prod(shape) * _itemsize(_leaf_dtypes(layout, unit.meta.policy)[0])
+        parts = _model_parts(layout, unit.meta.axes, gathered=True)
+        total += math.prod(shape) // parts * _itemsize(_leaf_dtypes(layout, unit.meta.policy)[0])
     return total
 
 
 def _state_bytes(args: Any) -> tuple[int, int, set[int]]:
     """Per-device (device, host) bytes of every leaf inside a unit in ``args``; their ids.
 
-    A sharded leaf holds ``padded elements / N`` per device, a replicated one all of it.
+    A sharded leaf holds ``padded elements / N`` per device, a replicated one all of it; a
+    leaf split over model axes of total size ``M`` a further ``1 / M``.
     """
     device = host = 0
     seen: set[int] = set()
@@ -115,7 +126,8 @@ def _state_bytes(args: Any) -> tuple[int, int, set[int]]:
                 continue
             seen.add(id(x))
             nbytes = math.prod(x.shape) * _itemsize(x.dtype)
-            nbytes = nbytes // unit.meta.axes.shard_size if layout.sharded else nbytes
+            parts = (unit.meta.axes.shard_size if layout.sharded else 1) * _model_parts(layout, unit.meta.axes)
+            nbytes = nbytes // parts
             if memory_kind(layout, unit.meta.policy) in HOST_KINDS:
                 host += nbytes
             else:
@@ -153,7 +165,7 @@ def analytic(params: Any, args: Any, input_shardings: Any, microbatches: int = 1
             if is_floating(layout.dtype):
                 psi += math.prod(layout.shape)
                 padded_psi += math.prod(layout.padded_shape)
-            n = unit.meta.axes.shard_size if layout.sharded else 1
+            n = (unit.meta.axes.shard_size if layout.sharded else 1) * _model_parts(layout, unit.meta.axes)
             param_bytes += math.prod(layout.padded_shape) * _itemsize(layout.dtype) // n
     device, host, in_units = _state_bytes(args)
     state, other = device + host, 0

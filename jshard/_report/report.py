@@ -55,11 +55,21 @@ class Report:
     analytic: Analytic
     mesh: dict[str, int]
     placements: tuple[LeafPlacement, ...] = ()
+    model_axes: tuple[str, ...] = ()
+
+    def _over_model_axes(self, c: StepCollective) -> bool:
+        return bool(set(c.axes) & set(self.model_axes))
 
     @property
     def collective_bytes(self) -> dict[str, float]:
-        """Measured bytes each device sends per step, by collective kind."""
-        return wire_bytes_by_kind(list(self.collectives))
+        """Measured bytes each device sends per step, by collective kind, over the data-parallel
+        axes (FSDP's; what the analytic model predicts)."""
+        return wire_bytes_by_kind([c for c in self.collectives if not self._over_model_axes(c)])
+
+    @property
+    def model_collective_bytes(self) -> dict[str, float]:
+        """The same for collectives along model axes (tensor parallelism's, which GSPMD places)."""
+        return wire_bytes_by_kind([c for c in self.collectives if self._over_model_axes(c)])
 
     def comparison(self) -> dict[str, tuple[float, float]]:
         """``name -> (measured, analytic)`` for every figure the model predicts."""
@@ -97,7 +107,8 @@ class Report:
             return {f.name: values[f.name] for f in dataclasses.fields(kind)}
 
         collectives = tuple(
-            StepCollective(**{**fields(StepCollective, c), "shapes": tuple(tuple(s) for s in c["shapes"])})
+            StepCollective(**{**fields(StepCollective, c), "shapes": tuple(tuple(s) for s in c["shapes"]),
+                              "axes": tuple(c["axes"])})
             for c in data["collectives"]
         )
         placed = tuple(
@@ -110,6 +121,7 @@ class Report:
             analytic=Analytic(**fields(Analytic, data["analytic"])),
             mesh=dict(data["mesh"]),
             placements=placed,
+            model_axes=tuple(data["model_axes"]),
         )
 
     def __str__(self) -> str:
@@ -154,11 +166,21 @@ def format_report(report: Report) -> str:
         upcast = "" if c.dtype == c.compiled_dtype else f" (runs as {c.compiled_dtype})"
         loop = f" x{c.executions}" + (" in loop" if c.in_loop else "")
         shapes = ",".join("x".join(map(str, s)) or "scalar" for s in c.shapes)
+        over = f" over {','.join(c.axes)}" if c.axes and report.model_axes else ""
         lines.append(
-            f"  {c.kind:<15}{c.dtype + upcast:<27} [{shapes}] groups of {c.group_size}{loop}: "
+            f"  {c.kind:<15}{c.dtype + upcast:<27} [{shapes}] groups of {c.group_size}{over}{loop}: "
             f"{c.bytes:,} B, wire {_mib(c.wire_bytes_per_step).strip()}"
         )
-    return "\n".join(lines + _placement_lines(report.placements))
+    return "\n".join(lines + _model_axis_lines(report) + _placement_lines(report.placements))
+
+
+def _model_axis_lines(report: Report) -> list[str]:
+    """Wire bytes of the collectives along model axes (tensor parallelism's: GSPMD places them)."""
+    if not report.model_axes:
+        return []
+    totals = ", ".join(f"{kind} {_mib(b).strip()}" for kind, b in report.model_collective_bytes.items() if b)
+    where = f"along model axes {report.model_axes} (placed by GSPMD, not in the analytic model)"
+    return ["", f"{where}: {totals or 'none'}"]
 
 
 _PLACEMENTS_SHOWN = 12
@@ -209,10 +231,11 @@ def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, micr
     mesh = all_units(params)[0][0].meta.mesh
     return Report(
         memory=Memory.from_compiled(compiled),
-        collectives=tuple(step_collectives(compiled.as_text(), lowered.as_text())),
+        collectives=tuple(step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))),
         analytic=analytic(params, args, shardings, microbatches),
         mesh={str(k): int(v) for k, v in mesh.shape.items()},
         placements=placements(params),
+        model_axes=all_units(params)[0][0].meta.axes.model_names,
     )
 
 

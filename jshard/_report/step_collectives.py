@@ -34,7 +34,8 @@ class StepCollective:
     ``compiled_dtype`` the one the backend runs (XLA:CPU upcasts bf16 to f32).
     ``bytes`` is the size of its result in ``dtype``; ``wire_bytes`` what each device
     sends per execution (ring model); ``executions`` how often it runs per step
-    (``trip_count`` of the innermost loop, ``None`` when unknown, counted once).
+    (``trip_count`` of the innermost loop, ``None`` when unknown, counted once); ``axes``
+    the mesh axes its groups run along (empty when the mesh was not given).
     """
 
     kind: str
@@ -48,6 +49,7 @@ class StepCollective:
     executions: int
     bytes: int
     wire_bytes: float
+    axes: tuple[str, ...] = ()
 
     @property
     def wire_bytes_per_step(self) -> float:
@@ -108,6 +110,22 @@ def group_size(replica_groups: str, num_partitions: int) -> int:
     return len(groups[0].split(","))
 
 
+def group_axes(replica_groups: str, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes a collective's (explicit) replica groups run along: those that vary in a group.
+
+    Example:
+      >>> from jshard._report.step_collectives import group_axes
+      >>> group_axes("{{0,2,4,6},{1,3,5,7}}", {"fsdp": 4, "tp": 2}), group_axes("{{0,1},{2,3}}", {"fsdp": 2, "tp": 2})
+      (('fsdp',), ('tp',))
+    """
+    names, sizes = tuple(mesh_shape), tuple(mesh_shape.values())
+    groups = _EXPLICIT_GROUP.findall(replica_groups.strip()[1:-1] if replica_groups else "")
+    if not groups or not groups[0]:
+        return names
+    coords = np.unravel_index([int(i) for i in groups[0].split(",")], sizes)
+    return tuple(name for name, c in zip(names, coords, strict=True) if len(set(c.tolist())) > 1)
+
+
 def wire_bytes(kind: str, result_bytes: int, n: int) -> float:
     """Bytes one device sends for one collective under the ring model of ``DESIGN.md``.
 
@@ -141,13 +159,15 @@ def _requested_dtype(kind: str, shape: tuple[int, ...], compiled: str, lowered: 
     return next(iter(dtypes)) if len(dtypes) == 1 else compiled
 
 
-def step_collectives(hlo_text: str, stablehlo_text: str = "") -> list[StepCollective]:
+def step_collectives(hlo_text: str, stablehlo_text: str = "", mesh_shape: dict[str, int] | None = None
+                     ) -> list[StepCollective]:
     """Every collective of a compiled step, with executions per step and wire bytes.
 
     Args:
       hlo_text: ``compiled.as_text()``.
       stablehlo_text: ``lowered.as_text()``; where a compiled collective's kind and
         shape match lowered ones of a single dtype, that dtype is reported.
+      mesh_shape: the step's mesh axis sizes; each collective then names the axes it runs along.
 
     Example:
       >>> import jax, jax.numpy as jnp, jshard as js
@@ -182,6 +202,7 @@ def step_collectives(hlo_text: str, stablehlo_text: str = "") -> list[StepCollec
             executions=executions,
             bytes=nbytes,
             wire_bytes=wire_bytes(c.kind, nbytes, n),
+            axes=group_axes(c.replica_groups, mesh_shape) if mesh_shape else (),
         ))
     return out
 

@@ -11,11 +11,12 @@ import functools
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jshard._sharding.agreement import check_unit
 from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad, unpad
 from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
+from jshard._sharding.model_axes import model_spec
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.unit import FSDPUnit, UnitMeta, is_unit
 
@@ -42,11 +43,18 @@ def _padder(layouts: tuple[LeafLayout, ...], shardings: tuple[Any, ...]):
 
 
 @functools.lru_cache(maxsize=1024)
-def _unpadder(layouts: tuple[LeafLayout, ...], replicated: NamedSharding):
+def _unpadder(layouts: tuple[LeafLayout, ...], shardings: tuple[NamedSharding, ...]):
     def unpad_all(xs):
-        return [unpad(jax.device_put(x, replicated), layout) for x, layout in zip(xs, layouts, strict=True)]
+        return [unpad(jax.device_put(x, s), layout) for x, layout, s in zip(xs, layouts, shardings, strict=True)]
 
-    return jax.jit(unpad_all, out_shardings=[replicated] * len(layouts))
+    return jax.jit(unpad_all, out_shardings=list(shardings))
+
+
+def full_sharding(meta: UnitMeta, layout: LeafLayout) -> NamedSharding:
+    """Where a gathered (global-view) leaf lives: replicated over the data-parallel axes, still split
+    over its model axes except on a composed placement dim ([Note: model axes])."""
+    spec = model_spec(layout.model, len(layout.shape), without=layout.dim if layout.composed else None)
+    return NamedSharding(meta.mesh, spec)
 
 
 def shard_leaves(leaves: list[Any], layouts: list[LeafLayout], shardings: list[Any]) -> list[Any]:
@@ -115,15 +123,10 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     own = [i for i, (_, x) in enumerate(entries_with_path) if not is_unit(x)]
     layouts: list[LeafLayout | None] = [None] * len(entries_with_path)
     for i in own:
-        layouts[i] = leaf_layout(*entries_with_path[i], axes, policy)
+        layouts[i] = leaf_layout(*entries_with_path[i], axes, policy, mesh=mesh)
     meta = UnitMeta(mesh, axes, policy, tuple(layouts))
     check_unit([path for path, _ in entries_with_path], meta)  # multi-process only
-    entries = [x for _, x in entries_with_path]
-    shardings = [named_sharding(mesh, layouts[i], axes, policy) for i in own]
-    stored = shard_leaves([entries[i] for i in own], [layouts[i] for i in own], shardings)
-    for i, x in zip(own, stored, strict=True):
-        entries[i] = x
-    return FSDPUnit(jax.tree.unflatten(treedef, entries), meta)
+    return FSDPUnit(jax.tree.unflatten(treedef, shard_own(meta, [x for _, x in entries_with_path])), meta)
 
 
 def _own_sharded(meta: UnitMeta) -> list[int]:
@@ -135,11 +138,12 @@ def gather_own(unit: FSDPUnit) -> list[Any]:
     meta = unit.meta
     entries = unit.own_entries()
     own = _own_sharded(meta)
-    replicated = NamedSharding(meta.mesh, PartitionSpec())
+    shardings = tuple(full_sharding(meta, meta.layouts[i]) for i in own)
     if any(isinstance(entries[i], jax.ShapeDtypeStruct) for i in own):
-        full = [jax.ShapeDtypeStruct(meta.layouts[i].shape, meta.layouts[i].dtype, sharding=replicated) for i in own]
+        full = [jax.ShapeDtypeStruct(meta.layouts[i].shape, meta.layouts[i].dtype, sharding=s)
+                for i, s in zip(own, shardings, strict=True)]
     else:
-        full = _unpadder(tuple(meta.layouts[i] for i in own), replicated)([entries[i] for i in own])
+        full = _unpadder(tuple(meta.layouts[i] for i in own), shardings)([entries[i] for i in own])
     for i, x in zip(own, full, strict=True):
         entries[i] = x
     return entries

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._sharding.mesh import MeshAxes
+from jshard._sharding.model_axes import incoming_model_axes, spec_of
 from jshard._sharding.policies import FullyShardPolicy
 
 
@@ -26,7 +27,8 @@ class LeafLayout:
 
     ``dim`` is the placement dim in the stored array (``None``: replicated, for 0-d
     leaves and, with ``scan_axis=0``, per-layer scalars); ``padded`` its padded size.
-    ``ignored`` leaves are stored untouched.
+    ``ignored`` leaves are stored untouched. ``model[d]``: the model axes that split dim
+    ``d`` (``()`` for a leaf no model axis splits; see [Note: model axes]).
     """
 
     shape: tuple[int, ...]
@@ -34,6 +36,12 @@ class LeafLayout:
     dim: int | None
     padded: int
     ignored: bool = False
+    model: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def composed(self) -> bool:
+        """Whether model axes split the placement dim too (FSDP outermost on it)."""
+        return self.dim is not None and bool(self.model) and bool(self.model[self.dim])
 
     @property
     def sharded(self) -> bool:
@@ -62,32 +70,41 @@ def _leaf_error(path: Any, leaf: Any, axes: MeshAxes, problem: str, fix: str) ->
     )
 
 
-def default_dim(shape: tuple[int, ...], first: int, n: int) -> int:
+def default_dim(shape: tuple[int, ...], first: int, n: int, taken: frozenset[int] = frozenset()) -> int:
     """The default placement dim (``first``: 0, or 1 after a stacked layer axis).
 
     FSDP2's dim 0 (the first dim after the layer axis), unless more than half of the ``n``
     devices would hold only padding there (``shape[first] < n / 2``) while another dim is at
     least ``n``: then the largest such dim, the first of equal ones. A Flax conv kernel
     ``(3, 3, in, out)`` is so split on ``in`` or ``out``, not on its height (where 5/8 of every
-    shard would be zeros on 8 devices); ``(7, 15)`` keeps FSDP2's dim 0.
+    shard would be zeros on 8 devices); ``(7, 15)`` keeps FSDP2's dim 0. Dims in ``taken``
+    (split by model axes) are passed over while another dim is free.
 
     Example:
       >>> from jshard._sharding.layout import default_dim
       >>> default_dim((3, 3, 64, 128), 0, 8), default_dim((7, 15), 0, 8), default_dim((4, 1, 1, 32), 1, 8)
       (3, 0, 3)
+      >>> default_dim((64, 16), 0, 4, taken=frozenset({0}))  # a row-parallel weight split over "tp" on dim 0
+      1
     """
-    if 2 * shape[first] >= n:
-        return first
-    wide = [d for d in range(first + 1, len(shape)) if shape[d] >= n]
-    return max(wide, key=lambda d: (shape[d], -d)) if wide else first
+    free = [d for d in range(first, len(shape)) if d not in taken] or list(range(first, len(shape)))
+    if 2 * shape[free[0]] >= n:
+        return free[0]
+    wide = [d for d in free[1:] if shape[d] >= n]
+    return max(wide, key=lambda d: (shape[d], -d)) if wide else free[0]
 
 
-def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy) -> LeafLayout:
-    """The layout of one leaf, or a ``ValueError`` naming the leaf and the fix."""
+def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, mesh: Mesh | None = None) -> LeafLayout:
+    """The layout of one leaf, or a ``ValueError`` naming the leaf and the fix.
+
+    With ``mesh``, a leaf that arrives sharded over the mesh's model axes keeps that split
+    ([Note: model axes]).
+    """
+    model = incoming_model_axes(leaf, mesh, axes) if mesh is not None else ()
     if policy.ignored_params is not None and policy.ignored_params(path, leaf):
         shape = tuple(getattr(leaf, "shape", ()))
         dtype = np.dtype(getattr(leaf, "dtype", np.float32))
-        return LeafLayout(shape, dtype, None, 0, ignored=True)
+        return LeafLayout(shape, dtype, None, 0, ignored=True, model=model)
     if not _is_arraylike(leaf):
         raise _leaf_error(
             path, leaf, axes, f"a {type(leaf).__name__} is not an array",
@@ -101,11 +118,12 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy) 
             "stack every leaf of the unit along axis 0, one slice per layer",
         )
     first = 1 if stacked else 0
+    _check_model_split(path, leaf, axes, model, stacked)
     if len(shape) <= first or 0 in shape:  # nothing to split (0-d, a per-layer scalar, or empty)
-        return LeafLayout(shape, dtype, None, 0)
+        return LeafLayout(shape, dtype, None, 0, model=model)
     dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
     if dim is None:
-        dim = default_dim(shape, first, axes.shard_size)
+        dim = default_dim(shape, first, axes.shard_size, frozenset(d for d, names in enumerate(model) if names))
     elif isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         raise _leaf_error(path, leaf, axes, f"`shard_placement_fn` returned {dim!r}", "return an int dim or None")
     elif not -len(shape) <= dim < len(shape):
@@ -120,12 +138,36 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy) 
                 path, leaf, axes, "placement dim 0 is the stacked layer axis (`scan_axis=0`)",
                 "shard another dim (1 or more)",
             )
-    n = axes.shard_size
-    return LeafLayout(shape, dtype, dim, n * math.ceil(shape[dim] / n))
+    n = axes.shard_size * (axes.model_size(model[dim]) if model else 1)
+    return LeafLayout(shape, dtype, dim, n * math.ceil(shape[dim] / n), model=model)
+
+
+def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple, stacked: bool) -> None:
+    for d, names in enumerate(model):
+        if names and leaf.shape[d] % axes.model_size(names):
+            raise _leaf_error(
+                path, leaf, axes, f"dim {d} (size {leaf.shape[d]}) arrives split over model axes {names} "
+                f"(size {axes.model_size(names)}), which does not divide it",
+                "split a dim the model axes divide (pad it), or leave this leaf unsplit over them",
+            )
+    if stacked and model and model[0]:
+        raise _leaf_error(
+            path, leaf, axes, f"the stacked layer axis 0 arrives split over model axes {model[0]}",
+            "split the layers' own dims over model axes, not the layer axis",
+        )
 
 
 def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
-    """The spec of a stored leaf: shard axes at the placement dim, else replicated."""
+    """The spec of a stored leaf: its model axes, and the shard axes at the placement dim
+    (outermost there: [Note: model axes])."""
+    entries = list(layout.model) or [()] * len(layout.shape)
+    if layout.dim is not None:
+        entries[layout.dim] = axes.shard + entries[layout.dim]
+    return spec_of(entries)
+
+
+def manual_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
+    """The stored leaf's spec over the data-parallel axes only: what the step's ``shard_map`` splits."""
     if layout.dim is None:
         return PartitionSpec()
     return PartitionSpec(*([None] * layout.dim), axes.shard_entry)

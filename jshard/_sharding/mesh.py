@@ -45,12 +45,27 @@ def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxes:
-    """Resolved data-parallel axes of a mesh: what shards, what replicates, and sizes."""
+    """Resolved axes of a mesh: what shards (FSDP), what replicates (HSDP), and sizes.
+
+    ``model`` are the other axes with their sizes (tensor parallel and friends, "model
+    axes"): leaves may arrive sharded over them, and the step leaves them to GSPMD or
+    explicit sharding (see API.md "Other mesh axes").
+    """
 
     shard: tuple[str, ...]
     replicate: tuple[str, ...]
     shard_size: int
     replicate_size: int
+    model: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.model)
+
+    def model_size(self, names: tuple[str, ...]) -> int:
+        """The number of devices along the model axes ``names``."""
+        sizes = dict(self.model)
+        return math.prod(sizes[n] for n in names)
 
     @property
     def data_parallel(self) -> tuple[str, ...]:
@@ -97,6 +112,7 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
         replicate=dims.replicate,
         shard_size=math.prod(mesh.shape[a] for a in dims.shard),
         replicate_size=math.prod(mesh.shape[a] for a in dims.replicate),
+        model=tuple((a, mesh.shape[a]) for a in names if a not in dims.shard + dims.replicate),
     )
 
 

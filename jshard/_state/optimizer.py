@@ -39,6 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jshard._sharding.layout import LeafLayout, memory_kind, pad, partition_spec, unpad
 from jshard._sharding.mesh import MeshAxes
+from jshard._sharding.model_axes import axes_of_type, only_axes
 from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 
 
@@ -174,8 +175,9 @@ def _in_auto_mode(fn: Any, target: _Target, stored_like: Any) -> Any:
     """``fn`` run with Auto mesh axes; its outputs placed (memory kind included) like ``stored_like``."""
     places = _places(stored_like)
     treedef = jax.tree.structure(stored_like)
-    on_device = jax.tree.unflatten(treedef, [_sharding(target, _on_device(p)) for p in places])
-    auto_fn = jax.sharding.auto_axes(fn, out_sharding=on_device)
+    explicit = axes_of_type(target.mesh, AxisType.Explicit)  # axes the mesh leaves Auto need no switching
+    on_device = jax.tree.unflatten(treedef, [only_axes(_sharding(target, _on_device(p)), explicit) for p in places])
+    auto_fn = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=on_device) if explicit else fn
 
     def placed(*args):
         with jax.sharding.use_abstract_mesh(target.mesh.abstract_mesh):  # also when no output names the mesh

@@ -23,6 +23,7 @@ from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.unit import FSDPUnit, UnitMeta
 from jshard._sharding.views import LocalView
 from jshard._step import collectives as C
+from jshard._step.model_manual import interleave_model, model_manual, model_piece
 from jshard._step.offload import to_device, to_host
 from jshard._step.remat import FREE, GATHER_START, SAVED, depend, unpad_gathered
 
@@ -55,8 +56,12 @@ def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
     x = to_device(shard, comm.offloaded).astype(comm.param_dtype)
     if not comm.layout.sharded:
         return x
+    return model_manual(comm.layout, lambda v: _all_gather(comm, v), gathered_in=False, gathered_out=True)(x)
+
+
+def _all_gather(comm: LeafComm, x: jax.Array) -> jax.Array:
     all_gather = comm.policy.custom_all_gather or C.all_gather
-    return _unpad(comm, all_gather(x, comm.axes.shard, comm.layout.dim))
+    return _unpad(comm, interleave_model(all_gather(x, comm.axes.shard, comm.layout.dim), comm.layout, comm.axes))
 
 
 def _unpad(comm: LeafComm, full: jax.Array) -> jax.Array:
@@ -70,19 +75,24 @@ def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
     Cast to ``reduce_dtype``, reduce-scatter over the shard axes (all-reduce for a
     replicated leaf), all-reduce over replicate axes, divide, cast to the shard dtype.
     """
-    layout, policy = comm.layout, comm.policy
     g = g.astype(comm.reduce_dtype)
+    g = model_manual(comm.layout, lambda v: _reduce(comm, v), gathered_in=True, gathered_out=False)(g)
+    return to_host(g, comm.offloaded)
+
+
+def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
+    layout, policy = comm.layout, comm.policy
     pre, post = C.divide_factors(comm.divide_factor, g.dtype, policy.force_sum_reduction_for_comms)
     if pre != 1:
         g = g / pre
     if layout.sharded:
         scatter = policy.custom_reduce_scatter or C.reduce_scatter
-        g = scatter(pad(g, layout), comm.axes.shard, layout.dim)
+        g = scatter(model_piece(pad(g, layout), layout, comm.axes), comm.axes.shard, layout.dim)
     else:
         g = C.all_reduce(g, comm.axes.shard)
     if not comm.skip_all_reduce:
         g = (policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
-    return to_host((g / post).astype(layout.dtype), comm.offloaded)
+    return (g / post).astype(layout.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -117,7 +127,12 @@ def gather_from_group_copy(comm: LeafComm, shard: jax.Array, group_copy: jax.Arr
 def _gather_across_groups(comm: LeafComm, shard: jax.Array, group_copy: jax.Array) -> jax.Array:
     if not comm.in_loop:  # the dependence costs a transient group copy (+0.13 MiB measured on jax 0.12)
         group_copy = depend(group_copy, [shard])
-    return _unpad(comm, C.all_gather(group_copy, comm.axes.shard, comm.layout.dim, _across_groups(comm)))
+
+    def across(copy):
+        full = C.all_gather(copy, comm.axes.shard, comm.layout.dim, _across_groups(comm))
+        return _unpad(comm, interleave_model(full, comm.layout, comm.axes))
+
+    return model_manual(comm.layout, across, gathered_in=False, gathered_out=True)(group_copy)
 
 
 def _from_group_fwd(comm, shard, group_copy):
@@ -158,7 +173,11 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
     if isinstance(raf, bool) or not comm.layout.sharded:
         return checkpoint_name(gather_shard(comm, shard), FREE if raf else SAVED)
     x = to_device(jax.lax.stop_gradient(shard), comm.offloaded).astype(comm.param_dtype)
-    group_copy = checkpoint_name(C.all_gather(x, comm.axes.shard, comm.layout.dim, _within_groups(comm)), SAVED)
+    def gather_within(v):
+        return C.all_gather(v, comm.axes.shard, comm.layout.dim, _within_groups(comm))
+
+    group_copy = model_manual(comm.layout, gather_within, gathered_in=False, gathered_out=False)(x)
+    group_copy = checkpoint_name(group_copy, SAVED)
     return checkpoint_name(gather_from_group_copy(comm, shard, group_copy), FREE)
 
 
@@ -186,7 +205,7 @@ def step_reshard(meta: UnitMeta) -> bool | int:
 def layer_layout(layout: LeafLayout) -> LeafLayout:
     """The layout of one layer's slice of a leaf stacked along axis 0."""
     dim = None if layout.dim is None else layout.dim - 1
-    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim)
+    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim, model=layout.model[1:])
 
 
 def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:

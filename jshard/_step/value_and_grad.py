@@ -9,11 +9,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jshard._sharding.dtypes import cast_floating, is_floating
-from jshard._sharding.layout import memory_kind, named_sharding, partition_spec
+from jshard._sharding.layout import manual_spec, memory_kind, named_sharding
 from jshard._sharding.mesh import MeshAxes
+from jshard._sharding.model_axes import axes_of_type, only_axes
 from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 from jshard._sharding.views import LocalView, current_view, local_view
 from jshard._step import collectives as C
@@ -80,7 +81,7 @@ def _batch_specs(batch: Any, axes: MeshAxes, microbatches: int) -> Any:
 
 
 def _param_specs(sharded: Any, axes: MeshAxes) -> Any:
-    return map_unit_leaves(lambda meta, layout, x: partition_spec(layout, axes), sharded)
+    return map_unit_leaves(lambda meta, layout, x: manual_spec(layout, axes), sharded)
 
 
 def _param_shardings(sharded: Any) -> Any:
@@ -212,13 +213,22 @@ def value_and_grad(
         param_specs = _param_specs(sharded, axes)
         in_specs = (param_specs, _batch_specs(batch, axes, microbatches), (PartitionSpec(),) * len(args))
         out_specs = ((PartitionSpec(), PartitionSpec()) if has_aux else PartitionSpec(), param_specs)
+        manual = {"axis_names": set(axes.data_parallel)} if axes.model else {}  # model axes: GSPMD's or explicit
         fn = jax.shard_map(
-            lambda p, b, a: body(p, b, *a), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            lambda p, b, a: body(p, b, *a), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **manual
         )
         shardings = (_param_shardings(sharded), *_named(mesh, in_specs[1:]))
-        return fn(*jax.device_put((sharded, batch, args), shardings))
+        out, grads = fn(*jax.device_put((sharded, batch, args), shardings))
+        if axes.model:  # the shard_map's out_specs name the data-parallel axes only: place the model axes too
+            grads = jax.tree.map(_place_model_axes, grads, shardings[0])
+        return out, grads
 
     return grad_fn
+
+
+def _place_model_axes(g: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``g`` placed over the Auto axes as ``sharding`` says (Explicit ones are in its type already)."""
+    return jax.lax.with_sharding_constraint(g, only_axes(sharding, axes_of_type(sharding.mesh, AxisType.Auto)))
 
 
 def _named(mesh, specs: Any) -> Any:
