@@ -232,3 +232,225 @@ def test_the_report_lists_tensor_parallel_collectives_apart_and_matches_the_anal
     text = str(report)
     assert "along model axes ('tp',) (placed by GSPMD, not in the analytic model): " in text
     assert " over fsdp" in text and " over tp" in text
+
+
+# ---------------------------------------------------------------------------------------
+# The rest of jshard on a 2-D mesh.
+
+def _mlp_run(policy=None, **grad_kw):
+    mesh = tp_mesh()
+    params, specs, loss = mlp()
+    data = batches((16, params["w1"].shape[0]))
+    ref_losses, ref = train_reference(params, loss, data)
+    sharded = js.fully_shard(place(params, specs, mesh), mesh, policy)
+    losses, trained, _, step = train_sharded(sharded, loss, data, **grad_kw)
+    return losses, ref_losses, js.unshard(trained), ref
+
+
+@pytest.mark.parametrize("kw", [{"reshard_after_forward": True}, {"reshard_after_forward": False},
+                                {"reshard_after_forward": 2}, {"offload_policy": js.CPUOffloadPolicy()}],
+                         ids=["raf-true", "raf-false", "raf-2", "offload"])
+def test_policies_on_a_tp_mesh(kw):
+    losses, ref_losses, trained, ref = _mlp_run(js.FullyShardPolicy(**kw))
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    assert max_diff(ref, trained) <= 1e-5
+
+
+@pytest.mark.parametrize("grad_kw", [{"microbatches": 2}, {"requires_gradient_sync": False, "microbatches": 2}],
+                         ids=["accumulate", "deferred-sync"])
+def test_accumulation_on_a_tp_mesh(grad_kw):
+    losses, ref_losses, trained, ref = _mlp_run(**grad_kw)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    assert max_diff(ref, trained) <= 1e-5
+
+
+def test_mixed_precision_gathers_in_bf16_and_reduces_in_fp32_on_a_tp_mesh():
+    from jshard._report.hlo import lowered_collectives
+
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    with jax.numpy_dtype_promotion("standard"):
+        losses, ref_losses, trained, ref = _mlp_run(js.FullyShardPolicy(mp_policy=mp))
+        mesh = tp_mesh()
+        params, specs, loss = mlp()
+        sharded = js.fully_shard(place(params, specs, mesh), mesh, js.FullyShardPolicy(mp_policy=mp))
+        lowered = jax.jit(js.value_and_grad(loss)).lower(sharded, batches((16, 15))[0]).as_text()
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert max_diff(ref, trained) <= 2e-2
+    kinds = set(lowered_collectives(lowered))
+    assert ("all-gather", "bfloat16") in kinds and ("reduce-scatter", "float32") in kinds
+    assert ("reduce-scatter", "bfloat16") not in kinds and ("all-gather", "float32") not in kinds
+
+
+def test_stacked_layers_under_js_scan_on_a_tp_mesh():
+    mesh = tp_mesh()
+    rng = np.random.default_rng(0)
+    layers, d, f = 3, 15, 32
+    params = {"w1": (rng.normal(size=(layers, d, f)) * 0.3).astype(np.float32),
+              "w2": (rng.normal(size=(layers, f, d)) * 0.3).astype(np.float32)}
+    specs = {"w1": P(None, None, "tp"), "w2": P(None, "tp", None)}
+
+    def layer(h, p):
+        return h + jnp.tanh(h @ p["w1"]) @ p["w2"], None
+
+    def reference_loss(p, batch):
+        return jnp.mean((jax.lax.scan(layer, batch["x"], p)[0] - batch["y"]) ** 2)
+
+    def loss(p, batch):
+        return jnp.mean((js.scan(layer, batch["x"], p)[0] - batch["y"]) ** 2)
+
+    data = batches((16, d))
+    ref_losses, ref = train_reference(params, reference_loss, data)
+    stack = js.fully_shard(place(params, specs, mesh), mesh, js.FullyShardPolicy(scan_axis=0))
+    assert stack.tree["w1"].sharding.spec == P(None, "fsdp", "tp")
+    losses, trained, _, _ = train_sharded(stack, loss, data, unshard_params=False)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    assert max_diff(ref, js.unshard(trained)) <= 1e-5
+
+
+def _on(mesh, params, specs):
+    """``params`` fully sharded on ``mesh``, tensor-parallel where ``mesh`` has a "tp" axis."""
+    if "tp" not in mesh.axis_names:
+        return js.fully_shard(jax.tree.map(jnp.asarray, params), mesh)
+    return js.fully_shard(place(params, specs, mesh), mesh)
+
+
+def test_checkpoints_and_state_dicts_restore_onto_other_meshes_bit_exact(tmp_path):
+    from jshard.checkpoint import CheckpointManager
+    from jshard.state_dict import full_state_dict, load_full_state_dict
+
+    params, specs, loss = mlp()
+    _, trained, opt_state, _ = train_sharded(_on(tp_mesh(), params, specs), loss, batches((16, 15))[:2])
+    saved = {"params": trained, "opt": opt_state}
+    want = jax.tree.map(np.asarray, full_state_dict(saved))
+    targets = {
+        "fsdp8": js.make_mesh(),
+        "fsdp2-tp4": tp_mesh((2, 4)),
+        "one-device": js.make_mesh(devices=jax.devices()[:1]),
+    }
+    optimizer = js.shard_optimizer(TX)
+    with CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(2, saved)
+        for name, mesh in targets.items():
+            like_params = _on(mesh, params, specs)
+            like = {"params": like_params, "opt": optimizer.init(like_params)}
+            restored = ckpt.restore(like)
+            got = jax.tree.map(np.asarray, full_state_dict(restored))
+            assert jax.tree.all(jax.tree.map(np.array_equal, got, want)), name
+            if "tp" in mesh.axis_names:
+                assert restored["params"]["w1"].sharding.spec == P("fsdp", "tp")
+            loaded = load_full_state_dict(want, like)
+            assert jax.tree.all(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, full_state_dict(loaded)), want))
+
+
+# ---------------------------------------------------------------------------------------
+# The Flax adapters, with the models' own partitioning metadata.
+
+def test_nnx_modules_with_partitioning_metadata_train_on_a_tp_mesh():
+    from flax import nnx
+
+    from jshard.flax import nnx as jnnx
+
+    lecun = nnx.initializers.lecun_normal()
+
+    class MLP(nnx.Module):
+        def __init__(self, d, f, rngs):
+            self.up = nnx.Linear(d, f, kernel_init=nnx.with_partitioning(lecun, (None, "tp")),
+                                 bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("tp",)), rngs=rngs)
+            self.down = nnx.Linear(f, d, kernel_init=nnx.with_partitioning(lecun, ("tp", None)), rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.relu(self.up(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([MLP(15, 32, rngs) for _ in range(2)])
+            self.head = nnx.Linear(15, 3, rngs=rngs)
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    def loss_fn(m, batch):
+        return jnp.mean((m(batch["x"]) - batch["y"][:, :3]) ** 2)
+
+    def train(model, grad_fn):
+        optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, b):
+            value, g = grad_fn(loss_fn)(model, b)
+            optimizer.update(model, g)
+            return value
+
+        return np.array([float(step(model, optimizer, b)) for b in batches((16, 15))])
+
+    one = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1], axis_types=(AUTO, AUTO))
+    with jax.set_mesh(one):  # Flax creates annotated Variables only under a mesh
+        reference = Model(nnx.Rngs(0))
+        ref_losses = train(reference, nnx.value_and_grad)
+    mesh = tp_mesh()
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+        for b in model.blocks:
+            jnnx.fully_shard(b, mesh)
+        jnnx.fully_shard(model, mesh)
+        assert model.blocks[0].up.kernel.get_value().sharding.spec == P("fsdp", "tp")
+        losses = train(model, jnnx.value_and_grad)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    full = nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), full,
+                                            nnx.to_pure_dict(nnx.state(reference, nnx.Param))))) <= 1e-5
+
+
+def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
+    import flax.linen as nn
+
+    from jshard.flax import linen as jlinen
+
+    lecun = nn.initializers.lecun_normal()
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(32, kernel_init=nn.with_partitioning(lecun, (None, "tp")),
+                         bias_init=nn.with_partitioning(nn.initializers.zeros_init(), ("tp",)), name="up")(x)
+            return x + nn.Dense(15, kernel_init=nn.with_partitioning(lecun, ("tp", None)), name="down")(jax.nn.relu(h))
+
+    class Model(nn.Module):
+        block: type = MLP
+
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = self.block(name=f"block_{i}")(x)
+            return nn.Dense(3, name="head")(x)
+
+    def loss_of(model):
+        return lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"][:, :3]) ** 2)
+
+    x = jnp.ones((16, 15))
+    boxed = Model().init(jax.random.key(0), x)["params"]
+    plain = nn.unbox(boxed)
+    data = batches((16, 15))
+    ref_losses, ref = train_reference(plain, loss_of(Model()), data)
+    mesh = tp_mesh()
+    model = jlinen.fully_shard(Model, mesh=mesh)(block=jlinen.fully_shard(MLP, mesh=mesh))
+    sharded = jlinen.shard_params(model, boxed, x)
+    assert sharded["block_0"]["up"]["kernel"].sharding.spec == P("fsdp", "tp")
+    assert sharded["block_1"]["down"]["kernel"].sharding.spec == P("tp", "fsdp")
+    optimizer = js.shard_optimizer(TX)
+
+    @jax.jit
+    def step(p, s, b):
+        value, g = jlinen.value_and_grad(loss_of(model))(p, b)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    state, losses = optimizer.init(sharded), []
+    for b in data:
+        sharded, state, value = step(sharded, state, b)
+        losses.append(float(value))
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                                            js.unshard(sharded), ref))) <= 1e-5

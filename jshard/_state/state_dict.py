@@ -30,7 +30,8 @@ _STORED_MISMATCH = (
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _gathered(x: jax.Array, layout: LeafLayout | None, replicated: NamedSharding) -> jax.Array:
     x = jax.device_put(x, replicated)
-    return x if layout is None else unpad(x, layout)
+    x = x if layout is None else unpad(x, layout)
+    return jax.lax.with_sharding_constraint(x, replicated)  # Auto (model) axes: the output stays replicated
 
 
 def _replicated(sharding: Any) -> NamedSharding | None:

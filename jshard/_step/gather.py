@@ -56,7 +56,7 @@ def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
     x = to_device(shard, comm.offloaded).astype(comm.param_dtype)
     if not comm.layout.sharded:
         return x
-    return model_manual(comm.layout, lambda v: _all_gather(comm, v), gathered_in=False, gathered_out=True)(x)
+    return model_manual(comm.layout, comm.axes, lambda v: _all_gather(comm, v), gathered_in=False, gathered_out=True)(x)
 
 
 def _all_gather(comm: LeafComm, x: jax.Array) -> jax.Array:
@@ -76,7 +76,7 @@ def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
     replicated leaf), all-reduce over replicate axes, divide, cast to the shard dtype.
     """
     g = g.astype(comm.reduce_dtype)
-    g = model_manual(comm.layout, lambda v: _reduce(comm, v), gathered_in=True, gathered_out=False)(g)
+    g = model_manual(comm.layout, comm.axes, lambda v: _reduce(comm, v), gathered_in=True, gathered_out=False)(g)
     return to_host(g, comm.offloaded)
 
 
@@ -132,7 +132,7 @@ def _gather_across_groups(comm: LeafComm, shard: jax.Array, group_copy: jax.Arra
         full = C.all_gather(copy, comm.axes.shard, comm.layout.dim, _across_groups(comm))
         return _unpad(comm, interleave_model(full, comm.layout, comm.axes))
 
-    return model_manual(comm.layout, across, gathered_in=False, gathered_out=True)(group_copy)
+    return model_manual(comm.layout, comm.axes, across, gathered_in=False, gathered_out=True)(group_copy)
 
 
 def _from_group_fwd(comm, shard, group_copy):
@@ -176,7 +176,7 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
     def gather_within(v):
         return C.all_gather(v, comm.axes.shard, comm.layout.dim, _within_groups(comm))
 
-    group_copy = model_manual(comm.layout, gather_within, gathered_in=False, gathered_out=False)(x)
+    group_copy = model_manual(comm.layout, comm.axes, gather_within, gathered_in=False, gathered_out=False)(x)
     group_copy = checkpoint_name(group_copy, SAVED)
     return checkpoint_name(gather_from_group_copy(comm, shard, group_copy), FREE)
 

@@ -14,31 +14,37 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
 from jshard._sharding.layout import LeafLayout
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import model_spec
 
 
-def _model_names(layout: LeafLayout) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(n for names in layout.model for n in names))
+def model_manual(layout: LeafLayout, axes: MeshAxes, fn: Callable[[Any], Any], gathered_in: bool,
+                 gathered_out: bool) -> Callable:
+    """``fn`` on this device's model-axis block of its argument, on a mesh with model axes.
 
-
-def model_manual(layout: LeafLayout, fn: Callable[[Any], Any], gathered_in: bool, gathered_out: bool) -> Callable:
-    """``fn`` on this device's model-axis block of its argument, when model axes split the leaf.
-
-    ``gathered_in`` / ``gathered_out``: the argument / result is the gathered leaf (a composed
-    placement dim then holds the whole dim), else the stored shard.
+    Every model axis of the mesh is made manual (a leaf no model axis splits is replicated
+    over them): besides keeping each device to its own block, this keeps every FSDP
+    collective out of the partially manual region, where XLA:CPU aborts on bf16 reductions
+    ("Invalid binary instruction opcode copy", jax 0.10.2). ``gathered_in`` /
+    ``gathered_out``: the argument / result is the gathered leaf (a composed placement dim
+    then holds the whole dim), else the stored shard.
     """
-    names = _model_names(layout)
-    if not names:
+    if not axes.model:
         return fn
 
     def spec(gathered: bool):
         return model_spec(layout.model, len(layout.shape), without=layout.dim if gathered and layout.composed else None)
 
-    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=spec(gathered_in),
-                         out_specs=spec(gathered_out), axis_names=set(names), check_vma=False)
+    return replicated_manual(fn, axes, spec(gathered_in), spec(gathered_out))
+
+
+def replicated_manual(fn: Callable[[Any], Any], axes: MeshAxes, in_spec: Any = None, out_spec: Any = None) -> Callable:
+    """``fn`` in a ``shard_map`` manual over the mesh's model axes (default specs: replicated)."""
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_spec or PartitionSpec(),
+                         out_specs=out_spec or PartitionSpec(), axis_names=set(axes.model_names), check_vma=False)
 
 
 def _blocks(layout: LeafLayout, axes: MeshAxes) -> tuple[int, int, int]:

@@ -19,6 +19,7 @@ from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 from jshard._sharding.views import LocalView, current_view, local_view
 from jshard._step import collectives as C
 from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient, unshard_unit
+from jshard._step.model_manual import model_manual, replicated_manual
 from jshard._step.offload import to_host
 from jshard._step.remat import remat_policy as remat_policy_of
 from jshard._step.segments import segmented
@@ -109,6 +110,17 @@ def _reduce_aux(aux: Any, axes: tuple[str, ...]) -> Any:
         return jax.lax.pmean(x, axes) if jnp.issubdtype(x.dtype, jnp.inexact) else jax.lax.psum(x, axes)
 
     return jax.tree.map(reduce, aux)
+
+
+def _over_devices(axes: MeshAxes, loss: Any, aux: Any) -> tuple[Any, Any]:
+    """The loss averaged over the data-parallel devices; floating aux averaged, the rest summed
+    (on a mesh with model axes, in a region manual over them too: see ``model_manual.py``)."""
+
+    def reduce(values):
+        loss, aux = values
+        return jax.lax.pmean(loss, axes.data_parallel), _reduce_aux(aux, axes.data_parallel)
+
+    return replicated_manual(reduce, axes)((loss, aux)) if axes.model else reduce((loss, aux))
 
 
 def _unshard_all(params: Any) -> Any:
@@ -261,8 +273,7 @@ def _local_step(loss_fn, view, mp, has_aux, unshard_params, microbatches, params
             loss, aux, grads = _accumulate(remat, params, batch, microbatches)
         if view.skip_all_reduce:
             grads = _all_reduce_replicas(params, grads, view)
-        loss = jax.lax.pmean(loss, view.axes.data_parallel)
-        aux = _reduce_aux(aux, view.axes.data_parallel)
+        loss, aux = _over_devices(view.axes, loss, aux)
     grads = jax.tree.unflatten(structure, jax.tree.leaves(grads))
     return ((loss, aux) if has_aux else loss), grads
 
@@ -297,6 +308,6 @@ def _all_reduce_replicas(params: Any, grads: Any, view: LocalView) -> Any:
         if not _trainable(layout):
             return g
         hook = meta.policy.all_reduce_hook or C.all_reduce
-        return hook(g, view.axes.replicate)
+        return model_manual(layout, view.axes, lambda v: hook(v, view.axes.replicate), False, False)(g)
 
     return map_unit_leaves(reduce, params, grads)

@@ -15,6 +15,7 @@ from jshard._sharding.mesh import make_mesh
 from jshard._sharding.nested import get_in, set_in
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.unit import FSDPUnit
+from jshard.flax._linen import partitioned
 from jshard.flax._linen.intercept import ModuleUnits, check_units, intercepting
 from jshard.flax._linen.transform import discovering, fsdp
 from jshard.flax._paths import Path, scope_path
@@ -114,7 +115,7 @@ def shard_params(
       ('FSDPUnit', (8, 4))
     """
     check_units(units)
-    params = jax.tree.map(lambda x: x, dict(params))
+    params, boxed = partitioned.unbox(jax.tree.map(lambda x: x, dict(params), is_leaf=partitioned.is_box))
     if isinstance(model, nn.Module):
         call = functools.partial(model.apply, method=method)
     elif callable(model) and method is None:
@@ -133,6 +134,7 @@ def shard_params(
             "own parameters would belong to no unit: wrap the root class too (FSDP2 shards the root last)."
         )
     planned = _units_found(found, params)
+    params = partitioned.place(params, boxed, lambda leaf: next(m for p, m, _ in planned if leaf[: len(p)] == p))
     for path, mesh, policy in planned:
         inside = [p for p, _, pol in planned if pol.scan_axis == 0 and len(p) < len(path) and path[: len(p)] == p]
         if inside:
