@@ -64,3 +64,14 @@ def test_demo_runs_without_its_extras(tmp_path, monkeypatch, capsys):
     assert result["plot"] is None and list(tmp_path.iterdir()) == []
     assert "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)" in (
         capsys.readouterr().out)
+
+
+def test_tensor_parallel_flag_trains_on_a_2d_mesh(tmp_path, capsys):
+    with jax.numpy_dtype_promotion("standard"):
+        result = demo.main(["--steps", "3", "--size", "tiny", "--tensor-parallel", "2", "--out-dir", str(tmp_path),
+                            "--sample-chars", "5"])
+    text = capsys.readouterr().out
+    assert "mesh {'fsdp': 4, 'tp': 2} (FSDP x tensor parallel)" in text
+    assert all(math.isfinite(x) for x in result["losses"]) and result["losses"][-1] < result["losses"][0]
+    assert result["jshard"].argument < result["replicated"].argument / 6  # blocks 1/8, embeddings and head 1/4
+    assert "embeddings and head, not split over tp, 1/4" in text

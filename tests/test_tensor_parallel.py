@@ -5,6 +5,7 @@ compiled step: FSDP gathers only each device's tensor-parallel block.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -454,3 +455,17 @@ def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
     assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                                             js.unshard(sharded), ref))) <= 1e-5
+
+
+def test_the_docs_example_runs_and_trains(capsys):
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    code = re.search(r"<!-- tp-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    with jax.numpy_dtype_promotion("standard"):  # a user program: JAX's default promotion (Adam's step count)
+        exec(code, scope)
+    specs, loss = capsys.readouterr().out.strip().splitlines()
+    assert specs == "{'down': P('tp', 'fsdp'), 'up': P('fsdp', 'tp'), 'up_bias': P(('fsdp', 'tp'),)}"
+    assert math.isfinite(float(loss))
+    assert scope["sharded"]["down"].sharding.spec == P("tp", "fsdp")

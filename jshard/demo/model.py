@@ -192,6 +192,31 @@ def lm_loss(params: Any, tokens: jax.Array, config: TransformerConfig, run_block
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
+# Megatron's split of a block over the "tp" axis: column-parallel qkv and up (heads and MLP
+# width split), row-parallel proj and down. Leaves are stacked along axis 0 (the layers).
+BLOCK_TP_SPECS = {
+    "qkv": {"kernel": PartitionSpec(None, None, "tp")},
+    "proj": {"kernel": PartitionSpec(None, "tp", None)},
+    "up": {"kernel": PartitionSpec(None, None, "tp"), "bias": PartitionSpec(None, "tp")},
+    "down": {"kernel": PartitionSpec(None, "tp", None)},
+}
+
+
+def place_tensor_parallel(params: Any, mesh: Any) -> Any:
+    """``params`` placed on ``mesh`` with the blocks split over its ``"tp"`` axis (Megatron-style),
+    the rest replicated; ``fully_shard`` then adds the FSDP split (API.md "Other mesh axes")."""
+    replicated = PartitionSpec()
+
+    def place(path, x):
+        keys = [k.key for k in path]
+        spec = replicated
+        if keys[0] == "blocks" and keys[1] in BLOCK_TP_SPECS:
+            spec = BLOCK_TP_SPECS[keys[1]].get(keys[2], replicated)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
 def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None) -> Any:
     """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit."""
     import jshard as js

@@ -9,7 +9,8 @@ compiled steps) as a table and a PNG, and finally text sampled from the model.
 
 Flags: ``--steps``, ``--size tiny|small|medium``, ``--mixed-precision`` (bf16
 parameters for compute and gathers, fp32 gradient reduction), ``--offload`` (sharded
-state in host memory, ``CPUOffloadPolicy``), ``--out-dir`` (the folder for what it writes, printed
+state in host memory, ``CPUOffloadPolicy``), ``--tensor-parallel T`` (a 2-D mesh: each block
+split Megatron-style over ``T`` devices, FSDP over the rest), ``--out-dir`` (the folder for what it writes, printed
 at the end: ``memory.png``; default ``./jshard-demo-out``). Off a terminal (a log file, CI) the
 progress bar becomes a line every tenth of the run.
 """
@@ -134,7 +135,7 @@ def _replicated_memory(config: Any, optimizer: Any, mesh: Any, tokens: Any) -> A
     return Memory.from_compiled(lowered.compile())
 
 
-def _memory_table(replicated: Any, sharded: Any, devices: int) -> str:
+def _memory_table(replicated: Any, sharded: Any, devices: int, tensor_parallel: int = 1) -> str:
     """Per-device MiB of both compiled steps, side by side."""
     rows = [("arguments (params, optimizer state, batch)", "argument"), ("temporaries", "temp"),
             ("outputs", "output"), ("peak (arguments + outputs + temporaries)", "peak")]
@@ -145,12 +146,14 @@ def _memory_table(replicated: Any, sharded: Any, devices: int) -> str:
         lines.append(f"  {label:<44}{a / 2**20:12.3f}{b / 2**20:12.3f}{(b / a if a else 0):8.2f}")
     if sharded.host_argument:
         lines.append(f"  {'jshard state in host memory (offload)':<44}{'':>12}{sharded.host_argument / 2**20:12.3f}")
-    return "\n".join(lines + [f"  {line}" for line in _TABLE_NOTES.format(n=devices).splitlines()])
+    tp = "" if tensor_parallel <= 1 else f"; embeddings and head, not split over tp, 1/{devices // tensor_parallel}"
+    notes = _TABLE_NOTES.format(n=devices, tp=tp)
+    return "\n".join(lines + [f"  {line}" for line in notes.splitlines()])
 
 
 _TABLE_NOTES = """\
 arguments: what the step is given; jshard keeps 1/{n} of the parameters and optimizer state per
-  device (plus the padding of uneven dims), replicated keeps all of it on every device.
+  device (plus the padding of uneven dims{tp}), replicated keeps all of it on every device.
 temporaries: what the step allocates while it runs. Both hold activations; jshard also holds the
   gathered parameters of the unit being computed (the root unit, embeddings and head, stays
   gathered), that unit's full gradient before its reduce-scatter, and the collectives' buffers,
@@ -265,7 +268,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     vocab = Vocab.of(text)
     ids = np.asarray(vocab.encode(text), np.int32)
     config = dataclasses.replace(T.SIZES[args.size], vocab=8 * math.ceil(len(vocab.chars) / 8))
-    mesh = js.make_mesh()
+    mesh = _mesh(args.tensor_parallel)
     devices = mesh.size
     batch = args.batch or max(16, devices)
     batch = devices * math.ceil(batch / devices)
@@ -273,9 +276,11 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     tx = _optimizer(args)
     optimizer = js.shard_optimizer(tx)  # Optax on the sharded (and, with --offload, host-resident) state
     full = jax.jit(functools.partial(T.init_params, config))(jax.random.key(args.seed))
+    if args.tensor_parallel > 1:
+        full = T.place_tensor_parallel(full, mesh)
     params = T.shard_lm(full, mesh, mp, offload)
     opt_state = optimizer.init(params)
-    data_sharding = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    data_sharding = NamedSharding(mesh, PartitionSpec("fsdp"))  # over "tp" the batch is replicated
     batches = _batches(ids, batch, config.seq_len, args.seed)
     first = jax.device_put(next(batches), data_sharding)
     step = jax.jit(T.jshard_train_step(config, optimizer)).lower(params, opt_state, first).compile()
@@ -285,7 +290,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     print(f"jshard demo: {T.count_params(params) / 1e6:.2f}M-parameter transformer ({args.size}), "
           f"{len(text):,} characters of text, {devices} {jax.devices()[0].platform.upper()} devices, "
           f"batch {batch} x {config.seq_len} characters"
-          + (", bf16 params / fp32 reduce" if args.mixed_precision else "") + (", CPU offload" if args.offload else ""))
+          + (", bf16 params / fp32 reduce" if args.mixed_precision else "") + (", CPU offload" if args.offload else "")
+          + (f", mesh {dict(mesh.shape)} (FSDP x tensor parallel)" if args.tensor_parallel > 1 else ""))
     steps = args.steps or DEFAULT_STEPS[args.size]
     losses, tokens = [], first
     start = time.perf_counter()
@@ -299,7 +305,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     progress.close()
     print(f"loss: {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {steps} "
           f"({rate:,.0f} tokens/s over {time.perf_counter() - start:.1f} s)")
-    print(_memory_table(replicated_memory, sharded_memory, devices))
+    print(_memory_table(replicated_memory, sharded_memory, devices, args.tensor_parallel))
     out_dir = pathlib.Path(args.out_dir)
     path = _plot_memory(replicated_memory, sharded_memory, devices, out_dir / "memory.png")
     print(NO_MATPLOTLIB if path is None else f"outputs in {out_dir.resolve()}: memory plot {path.name}")
@@ -312,12 +318,29 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             "sample": text_out}
 
 
+def _mesh(tensor_parallel: int) -> Any:
+    """All devices: FSDP over ``"fsdp"``, or with ``tensor_parallel > 1`` a 2-D ``("fsdp", "tp")`` mesh."""
+    import jax
+    from jax.sharding import AxisType
+
+    import jshard as js
+
+    if tensor_parallel <= 1:
+        return js.make_mesh()
+    n = len(jax.devices())
+    if n % tensor_parallel:
+        raise SystemExit(f"--tensor-parallel {tensor_parallel} does not divide the {n} devices; pick a divisor of {n}.")
+    return jax.make_mesh((n // tensor_parallel, tensor_parallel), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+
+
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jshard.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default per size: {DEFAULT_STEPS})")
     parser.add_argument("--size", choices=sorted(DEFAULT_STEPS), default="small")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 params and gathers, fp32 reduction")
     parser.add_argument("--offload", action="store_true", help="sharded state in host memory (CPUOffloadPolicy)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="split each block Megatron-style over T devices too (a 2-D fsdp x tp mesh)")
     parser.add_argument("--out-dir", default="jshard-demo-out", help="folder for the demo's outputs (the memory plot)")
     parser.add_argument("--batch", type=int, default=None, help="global batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-3)
