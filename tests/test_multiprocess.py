@@ -98,6 +98,7 @@ def test_two_processes_train_like_one(trained, reference):
         got = np.load(out / f"process{i}.npz")
         np.testing.assert_allclose(got["losses"], ref_losses, rtol=TOL, atol=TOL)
         np.testing.assert_allclose(got["hsdp_losses"], ref_losses[:2], rtol=TOL, atol=TOL)  # 2 x 4 HSDP mesh
+        np.testing.assert_allclose(got["tp_losses"], ref_losses[:2], rtol=TOL, atol=TOL)  # fsdp 4 x tp 2 mesh
         for key, want in _flat(ref_params).items():
             np.testing.assert_allclose(got[key], want, rtol=TOL, atol=TOL, err_msg=f"process {i} {key}")
     state_dict = np.load(out / "state_dict.npz")  # jshard.state_dict.full_state_dict(process0_only=True)

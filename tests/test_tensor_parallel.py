@@ -469,3 +469,22 @@ def test_the_docs_example_runs_and_trains(capsys):
     assert specs == "{'down': P('tp', 'fsdp'), 'up': P('fsdp', 'tp'), 'up_bias': P(('fsdp', 'tp'),)}"
     assert math.isfinite(float(loss))
     assert scope["sharded"]["down"].sharding.spec == P("tp", "fsdp")
+
+
+def test_explicit_model_axes_train_like_one_device():
+    """With Explicit axes the model states the sharding JAX asks for (the row-parallel contraction's)."""
+    explicit = AxisType.Explicit
+    mesh = tp_mesh(types=(explicit, explicit))
+    params, specs, _ = mlp()
+
+    def loss(p, batch):
+        h = jax.nn.relu(batch["x"] @ p["w1"] + p["b1"])
+        out = jnp.einsum("bf,fd->bd", h, p["w2"], out_sharding=P()) if "tp" in jax.typeof(h).sharding.mesh.axis_names \
+            else h @ p["w2"]
+        return jnp.mean((out + p["b2"] - batch["y"]) ** 2)
+
+    data = batches((16, 15))
+    ref_losses, ref = train_reference(params, loss, data)
+    losses, trained, _, _ = train_sharded(js.fully_shard(place(params, specs, mesh), mesh), loss, data)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    assert max_diff(ref, js.unshard(trained)) <= 1e-5

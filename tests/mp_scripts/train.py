@@ -55,8 +55,14 @@ full = jax.tree.map(np.asarray, js.unshard(sharded))  # gathered to every proces
 # HSDP: the replicate axis spans the two processes.
 hsdp = js.make_mesh(replicate=2)
 _, _, hsdp_losses = train(shard(host, hsdp), [global_batch(local_rows(b, me, n), hsdp) for b in batches(2)])
+# FSDP x tensor parallel: "tp" pairs the devices inside each process, "fsdp" spans both.
+tp = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+tp_host = {**host, "embed": {"w": jax.device_put(host["embed"]["w"], jax.NamedSharding(tp, jax.P("tp")))}}
+tp_sharded = shard(tp_host, tp)
+assert tp_sharded["embed"]["w"].sharding.spec == jax.P("tp", "fsdp")
+_, _, tp_losses = train(tp_sharded, [global_batch(local_rows(b, me, n), tp) for b in batches(2)])
 np.savez(os.path.join(out_dir, f"process{me}.npz"), losses=np.asarray(losses), hsdp_losses=np.asarray(hsdp_losses),
-         **_flat(full))
+         tp_losses=np.asarray(tp_losses), **_flat(full))
 
 # A full state dict on process 0 only (every process takes part in the gathers).
 state = full_state_dict(sharded, process0_only=True)
