@@ -416,7 +416,8 @@ def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
         def __call__(self, x):
             h = nn.Dense(32, kernel_init=nn.with_partitioning(lecun, (None, "tp")),
                          bias_init=nn.with_partitioning(nn.initializers.zeros_init(), ("tp",)), name="up")(x)
-            return x + nn.Dense(15, kernel_init=nn.with_partitioning(lecun, ("tp", None)), name="down")(jax.nn.relu(h))
+            down = nn.Dense(15, kernel_init=nn.with_logical_partitioning(lecun, ("mlp", "embed")), name="down")
+            return x + down(jax.nn.relu(h))  # logical axis names, mapped to "tp" by the rules below
 
     class Model(nn.Module):
         block: type = MLP
@@ -437,7 +438,8 @@ def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
     ref_losses, ref = train_reference(plain, loss_of(Model()), data)
     mesh = tp_mesh()
     model = jlinen.fully_shard(Model, mesh=mesh)(block=jlinen.fully_shard(MLP, mesh=mesh))
-    sharded = jlinen.shard_params(model, boxed, x)
+    with nn.logical_axis_rules([("mlp", "tp"), ("embed", None)]):
+        sharded = jlinen.shard_params(model, boxed, x)
     assert sharded["block_0"]["up"]["kernel"].sharding.spec == P("fsdp", "tp")
     assert sharded["block_1"]["down"]["kernel"].sharding.spec == P("tp", "fsdp")
     optimizer = js.shard_optimizer(TX)
