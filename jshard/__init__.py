@@ -14,6 +14,7 @@ from jshard._sharding.policies import FullyShardPolicy as FullyShardPolicy
 from jshard._sharding.policies import MixedPrecisionPolicy as MixedPrecisionPolicy
 from jshard._sharding.policies import OffloadPolicy as OffloadPolicy
 from jshard._sharding.unit import FSDPUnit as FSDPUnit
+from jshard._step.collectives import float8_all_gather as float8_all_gather
 from jshard._step.collectives import int8_all_gather as int8_all_gather
 from jshard._step.scan import scan as scan
 from jshard._step.unshard import unshard as unshard
@@ -34,6 +35,7 @@ __all__ = [
     "checkpoint",
     "collectives",
     "flax",
+    "float8_all_gather",
     "fully_shard",
     "global_batch",
     "int8_all_gather",

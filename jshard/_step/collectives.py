@@ -87,3 +87,43 @@ def int8_all_gather(x: jax.Array, axes: Axes, dim: int, block: int = 256) -> jax
     shards = shards.reshape((qs.shape[0],) + x.shape).astype(x.dtype)
     full = jnp.moveaxis(shards, 0, dim)
     return full.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1 :])
+
+
+FLOAT8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def float8_all_gather(x: jax.Array, axes: Axes, dim: int, scaling: str = "row") -> jax.Array:
+    """All-gather in float8 (e4m3) with float32 scales, data and scales in one collective.
+
+    A drop-in ``FullyShardPolicy(custom_all_gather=...)`` for float32 or bfloat16 shards
+    (torchao's float8 all-gather): each shard is scaled so that its absolute maximum
+    (``scaling="tensor"``) or each row's (``"row"``: every index of the shard's dim 0) maps
+    to 448, rounded to e4m3 (3 mantissa bits: an element's error is at most ``2**-4`` of it,
+    or ``2**-10`` of its scale ``amax / 448`` where it is subnormal), and sent as one
+    ``uint8`` buffer holding the float8 bytes followed by the scales' bytes. Bytes on the
+    wire: one per element plus four per scale, half of bfloat16's when rows are long.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> mesh = js.make_mesh()
+      >>> f = jax.shard_map(lambda x: js.float8_all_gather(x, ("fsdp",), 0), mesh=mesh,
+      ...                   in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
+      >>> x = jax.device_put(jnp.linspace(-1.0, 1.0, 64 * 4).reshape(64, 4), jax.NamedSharding(mesh, jax.P("fsdp")))
+      >>> bool((jnp.abs(f(x) - x) <= jnp.abs(x) / 16 + 1 / 512).all())
+      True
+    """
+    if scaling not in ("row", "tensor"):
+        raise ValueError(f"`scaling` must be 'row' or 'tensor', got {scaling!r}.")
+    rows = x.reshape(x.shape[0], -1).astype(jnp.float32) if x.ndim else x.reshape(1, 1).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(rows), axis=1 if scaling == "row" else None, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FLOAT8_MAX, 1.0).astype(jnp.float32)
+    q = (rows / scale).astype(jnp.float8_e4m3fn)
+    packed = jnp.concatenate([jax.lax.bitcast_convert_type(q, jnp.uint8).ravel(),
+                              jax.lax.bitcast_convert_type(scale, jnp.uint8).ravel()])
+    gathered = jax.lax.all_gather(packed, axes, axis=0, tiled=False)  # (N, elements + 4 * scales): one collective
+    n = q.size
+    data = jax.lax.bitcast_convert_type(gathered[:, :n], jnp.float8_e4m3fn).reshape((-1,) + rows.shape)
+    scales = jax.lax.bitcast_convert_type(gathered[:, n:].reshape((-1,) + scale.shape + (4,)), jnp.float32)
+    shards = (data.astype(jnp.float32) * scales).reshape((-1,) + x.shape).astype(x.dtype)
+    full = jnp.moveaxis(shards, 0, dim)
+    return full.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1 :])
