@@ -217,13 +217,15 @@ def place_tensor_parallel(params: Any, mesh: Any) -> Any:
     return jax.tree_util.tree_map_with_path(place, params)
 
 
-def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None) -> Any:
+def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None,
+             custom_all_gather: Any = None) -> Any:
     """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit."""
     import jshard as js
 
     kwargs = {
         "mp_policy": mp_policy or js.MixedPrecisionPolicy(),
         "offload_policy": offload_policy or js.OffloadPolicy(),
+        "custom_all_gather": custom_all_gather,
     }
     blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, **kwargs))
     return js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(**kwargs))

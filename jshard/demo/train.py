@@ -10,7 +10,8 @@ compiled steps) as a table and a PNG, and finally text sampled from the model.
 Flags: ``--steps``, ``--size tiny|small|medium``, ``--mixed-precision`` (bf16
 parameters for compute and gathers, fp32 gradient reduction), ``--offload`` (sharded
 state in host memory, ``CPUOffloadPolicy``), ``--tensor-parallel T`` (a 2-D mesh: each block
-split Megatron-style over ``T`` devices, FSDP over the rest), ``--out-dir`` (the folder for what it writes, printed
+split Megatron-style over ``T`` devices, FSDP over the rest), ``--float8-gather`` (parameters
+gathered in float8 e4m3 with per-row scales), ``--out-dir`` (the folder for what it writes, printed
 at the end: ``memory.png``; default ``./jshard-demo-out``). Off a terminal (a log file, CI) the
 progress bar becomes a line every tenth of the run.
 """
@@ -278,7 +279,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     full = jax.jit(functools.partial(T.init_params, config))(jax.random.key(args.seed))
     if args.tensor_parallel > 1:
         full = T.place_tensor_parallel(full, mesh)
-    params = T.shard_lm(full, mesh, mp, offload)
+    params = T.shard_lm(full, mesh, mp, offload, js.float8_all_gather if args.float8_gather else None)
     opt_state = optimizer.init(params)
     data_sharding = NamedSharding(mesh, PartitionSpec("fsdp"))  # over "tp" the batch is replicated
     batches = _batches(ids, batch, config.seq_len, args.seed)
@@ -291,6 +292,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
           f"{len(text):,} characters of text, {devices} {jax.devices()[0].platform.upper()} devices, "
           f"batch {batch} x {config.seq_len} characters"
           + (", bf16 params / fp32 reduce" if args.mixed_precision else "") + (", CPU offload" if args.offload else "")
+          + (", float8 all-gathers" if args.float8_gather else "")
           + (f", mesh {dict(mesh.shape)} (FSDP x tensor parallel)" if args.tensor_parallel > 1 else ""))
     steps = args.steps or DEFAULT_STEPS[args.size]
     losses, tokens = [], first
@@ -339,6 +341,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", choices=sorted(DEFAULT_STEPS), default="small")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 params and gathers, fp32 reduction")
     parser.add_argument("--offload", action="store_true", help="sharded state in host memory (CPUOffloadPolicy)")
+    parser.add_argument("--float8-gather", action="store_true",
+                        help="gather parameters in float8 (e4m3, per-row scales: js.float8_all_gather)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                         help="split each block Megatron-style over T devices too (a 2-D fsdp x tp mesh)")
     parser.add_argument("--out-dir", default="jshard-demo-out", help="folder for the demo's outputs (the memory plot)")
