@@ -3,9 +3,9 @@
 XLA replicates a collective's operand over the mesh axes left to GSPMD (or to explicit
 sharding), so an all-gather over ``fsdp`` of a weight split over ``tp`` would gather the
 whole weight on every ``tp`` device (measured on jax 0.10.2 and 0.12.0.1, Shardy and
-GSPMD alike). Inside the step, each FSDP collective of such a leaf therefore runs in a
-``shard_map`` manual over the leaf's model axes as well: every device then gathers and
-reduce-scatters only its own model-axis block ([Note: model axes]).
+GSPMD alike). Inside the step, each FSDP collective therefore runs in a ``shard_map``
+manual over the mesh's model axes as well: every device then gathers and reduce-scatters
+only its own model-axis block ([Note: model axes]).
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ def model_manual(layout: LeafLayout, axes: MeshAxes, fn: Callable[[Any], Any], g
     def spec(gathered: bool):
         return model_spec(layout.model, len(layout.shape), without=layout.dim if gathered and layout.composed else None)
 
-    return replicated_manual(fn, axes, spec(gathered_in), spec(gathered_out))
+    return manual_over_model_axes(fn, axes, spec(gathered_in), spec(gathered_out))
 
 
-def replicated_manual(fn: Callable[[Any], Any], axes: MeshAxes, in_spec: Any = None, out_spec: Any = None) -> Callable:
-    """``fn`` in a ``shard_map`` manual over the mesh's model axes (default specs: replicated)."""
-    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_spec or PartitionSpec(),
-                         out_specs=out_spec or PartitionSpec(), axis_names=set(axes.model_names), check_vma=False)
+REPLICATED = PartitionSpec()
+
+
+def manual_over_model_axes(fn: Callable[[Any], Any], axes: MeshAxes, in_spec: PartitionSpec = REPLICATED,
+                           out_spec: PartitionSpec = REPLICATED) -> Callable:
+    """``fn`` in a ``shard_map`` manual over the mesh's model axes (by default replicated over them)."""
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=in_spec, out_specs=out_spec,
+                         axis_names=set(axes.model_names), check_vma=False)
 
 
 def _blocks(layout: LeafLayout, axes: MeshAxes) -> tuple[int, int, int]:

@@ -19,7 +19,7 @@ from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 from jshard._sharding.views import LocalView, current_view, local_view
 from jshard._step import collectives as C
 from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient, unshard_unit
-from jshard._step.model_manual import model_manual, replicated_manual
+from jshard._step.model_manual import manual_over_model_axes, model_manual
 from jshard._step.offload import to_host
 from jshard._step.remat import remat_policy as remat_policy_of
 from jshard._step.segments import segmented
@@ -120,7 +120,7 @@ def _over_devices(axes: MeshAxes, loss: Any, aux: Any) -> tuple[Any, Any]:
         loss, aux = values
         return jax.lax.pmean(loss, axes.data_parallel), _reduce_aux(aux, axes.data_parallel)
 
-    return replicated_manual(reduce, axes)((loss, aux)) if axes.model else reduce((loss, aux))
+    return manual_over_model_axes(reduce, axes)((loss, aux)) if axes.model else reduce((loss, aux))
 
 
 def _unshard_all(params: Any) -> Any:
