@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 import jshard.demo as demo
 
@@ -55,15 +56,18 @@ def test_text_ships_with_the_package():
     assert "Shall I compare thee to a summer's day?" in text
 
 
-def test_demo_runs_without_its_extras(tmp_path, monkeypatch, capsys):
-    """tqdm and matplotlib are the `[demo]` extra: without them, plain progress lines and no plot."""
+def test_demo_runs_without_its_extras(tmp_path, monkeypatch):
+    """tqdm and matplotlib are the `[demo]` extra: without them no bar, no plot, and a note saying so."""
+    from jshard.demo import train
+    from jshard.report import Memory
+
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    with jax.numpy_dtype_promotion("standard"):
-        result = demo.main(["--steps", "2", "--size", "tiny", "--out-dir", str(tmp_path), "--sample-chars", "5"])
-    assert result["plot"] is None and list(tmp_path.iterdir()) == []
-    assert "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)" in (
-        capsys.readouterr().out)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # where the bar would be drawn
+    memory = Memory(*([1 << 20] * 11))
+    assert train._plot_memory(memory, memory, 8, tmp_path / "memory.png") is None and list(tmp_path.iterdir()) == []
+    assert train._Progress(10).bar is None  # plain progress lines instead
+    assert train.NO_MATPLOTLIB == "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)"
 
 
 def test_tensor_parallel_flag_trains_on_a_2d_mesh(tmp_path, capsys):
@@ -77,6 +81,7 @@ def test_tensor_parallel_flag_trains_on_a_2d_mesh(tmp_path, capsys):
     assert "embeddings and head, not split over tp, 1/4" in text
 
 
+@pytest.mark.slow  # tests/test_float8.py's training tolerance covers the hook on the test model
 def test_float8_gathers_train_the_demo_within_its_tolerance_of_bf16(tmp_path):
     """Measured over the default tiny run (60 steps): final loss 2.5198 with float8 gathers against
     2.5138 with bf16 (+0.24 %); documented tolerance 2 % over 10 steps."""
