@@ -68,7 +68,8 @@ def test_demo_runs_without_its_extras(tmp_path, monkeypatch):
     assert train._plot_memory(memory, memory, 8, tmp_path / "memory.png") is None
     assert list(tmp_path.iterdir()) == []
     assert train._Progress(10).bar is None  # plain progress lines instead
-    assert train.NO_MATPLOTLIB == "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)"
+    assert train.NO_MATPLOTLIB == (
+        "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)")
 
 
 def test_tensor_parallel_flag_trains_on_a_2d_mesh(tmp_path, capsys):
