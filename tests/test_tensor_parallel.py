@@ -99,12 +99,14 @@ def place(params, specs, mesh):
     return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
 
 
-def jshard_step(loss, policy_kw=None, **grad_kw):
+def jshard_step(loss, grad=js.value_and_grad, **grad_kw):
+    """``(optimizer, step)``: SGD-momentum through ``shard_optimizer``, gradients from ``grad``
+    (``js.value_and_grad`` or an adapter's)."""
     optimizer = js.shard_optimizer(TX)
 
     @jax.jit
     def step(p, s, b):
-        value, g = js.value_and_grad(loss, **grad_kw)(p, b)
+        value, g = grad(loss, **grad_kw)(p, b)
         u, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, u), s, value
 
@@ -244,7 +246,7 @@ def _mlp_run(policy=None, **grad_kw):
     data = batches((16, params["w1"].shape[0]))
     ref_losses, ref = train_reference(params, loss, data)
     sharded = js.fully_shard(place(params, specs, mesh), mesh, policy)
-    losses, trained, _, step = train_sharded(sharded, loss, data, **grad_kw)
+    losses, trained, _, _ = train_sharded(sharded, loss, data, **grad_kw)
     return losses, ref_losses, js.unshard(trained), ref
 
 
@@ -442,18 +444,7 @@ def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
         sharded = jlinen.shard_params(model, boxed, x)
     assert sharded["block_0"]["up"]["kernel"].sharding.spec == P("fsdp", "tp")
     assert sharded["block_1"]["down"]["kernel"].sharding.spec == P("tp", "fsdp")
-    optimizer = js.shard_optimizer(TX)
-
-    @jax.jit
-    def step(p, s, b):
-        value, g = jlinen.value_and_grad(loss_of(model))(p, b)
-        u, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, u), s, value
-
-    state, losses = optimizer.init(sharded), []
-    for b in data:
-        sharded, state, value = step(sharded, state, b)
-        losses.append(float(value))
+    losses, sharded, _, _ = train_sharded(sharded, loss_of(model), data, grad=jlinen.value_and_grad)
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
     assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                                             js.unshard(sharded), ref))) <= 1e-5
