@@ -9,8 +9,8 @@ outermost: it is padded to a multiple of ``N * M`` and device ``(f, m)`` holds b
 ``f * M + m``. FSDP2's strided sharding puts TP outermost instead; jshard puts FSDP
 outermost so that the step's ``shard_map``, manual over the data-parallel axes only, sees
 each device's FSDP block as one contiguous piece. Either way a device holds ``1 / (N * M)``
-of the leaf. In the step every FSDP collective of a model-sharded leaf runs in a
-``shard_map`` manual over its model axes too (``jshard/_step/model_manual.py``).
+of the leaf. In the step every FSDP collective on such a mesh runs in a ``shard_map``
+manual over the mesh's model axes too (``jshard/_step/model_manual.py``).
 """
 
 from __future__ import annotations
