@@ -29,6 +29,18 @@ def test_offloaded_training_equals_device_training_exactly(compute):
         assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree) if not leaf.ndim} == {"device"}
 
 
+def test_hsdp_all_reduce_once_per_step_keeps_offloaded_gradients_on_host():
+    """``requires_all_reduce=False`` reduces over replicas at the end of the step, on device,
+    and hands the gradients back in host memory (they once stayed on device, and the
+    optimizer's host state could not be added to them)."""
+    tx = js.offload_optimizer(optax.sgd(0.1, momentum=0.9))
+    mesh = js.make_mesh(replicate=2)
+    base, *_ = train_sharded(shard(init_params(), mesh, OFFLOAD), batches(2), tx)
+    losses, _, grads, _ = train_sharded(shard(init_params(), mesh, OFFLOAD), batches(2), tx, requires_all_reduce=False)
+    np.testing.assert_allclose(losses, base, rtol=1e-6)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(grads) if leaf.ndim} == {"pinned_host"}
+
+
 def test_device_memory_falls_by_the_offloaded_bytes():
     layers, width = 8, 256
     params = {"w": jax.ShapeDtypeStruct((layers, width, width), jnp.float32)}

@@ -20,7 +20,7 @@ from jshard._sharding.views import LocalView, current_view, local_view
 from jshard._step import collectives as C
 from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient, unshard_unit
 from jshard._step.model_manual import manual_over_model_axes, model_manual
-from jshard._step.offload import to_host
+from jshard._step.offload import to_device, to_host
 from jshard._step.remat import remat_policy as remat_policy_of
 from jshard._step.segments import segmented
 
@@ -308,6 +308,8 @@ def _all_reduce_replicas(params: Any, grads: Any, view: LocalView) -> Any:
         if not _trainable(layout):
             return g
         hook = meta.policy.all_reduce_hook or C.all_reduce
-        return model_manual(layout, view.axes, lambda v: hook(v, view.axes.replicate), False, False)(g)
+        offloaded = memory_kind(layout, meta.policy) is not None  # reduced on device, kept on host
+        reduce_over_replicas = model_manual(layout, view.axes, lambda v: hook(v, view.axes.replicate), False, False)
+        return to_host(reduce_over_replicas(to_device(g, offloaded)), offloaded)
 
     return map_unit_leaves(reduce, params, grads)
