@@ -11,6 +11,8 @@
   user adds when GSPMD reshards activations instead of gathering parameters.
 - ``jshard``: ``js.fully_shard`` with ``FullyShardPolicy(scan_axis=0)`` for the stack
   inside a root unit, ``js.scan`` and ``js.value_and_grad(unshard_params=False)``.
+- ``jshard_unit`` (full runs only): the same with ``unit_collectives=True``: one
+  all-gather and one reduce-scatter per layer (and for the root unit) through a flat buffer.
 
 All of them run the same loss (``jshard/demo/model.py``) and the same AdamW update,
 on the same devices and global batch. Each block is recomputed in backward: with
@@ -35,7 +37,7 @@ import jshard as js
 from jshard.demo import model as T
 
 VARIANTS = ("replicated", "gspmd", "jshard")
-EXTRA_VARIANTS = ("gspmd_constrained",)
+EXTRA_VARIANTS = ("gspmd_constrained", "jshard_unit")
 
 
 @dataclasses.dataclass
@@ -92,9 +94,9 @@ def _plain(config, params, tokens, devices, optimizer, sharded: bool, constraine
     return Prepared(step, (params, opt_state, jax.device_put(tokens, tokens_sh)))
 
 
-def _jshard(config, params, tokens, devices, optimizer) -> Prepared:
+def _jshard(config, params, tokens, devices, optimizer, unit_collectives: bool = False) -> Prepared:
     mesh = js.make_mesh(devices=devices)
-    sharded = T.shard_lm(params, mesh)
+    sharded = T.shard_lm(params, mesh, unit_collectives=unit_collectives)
     optimizer = js.shard_optimizer(optimizer)
     opt_state = optimizer.init(sharded)
     tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("fsdp")))
@@ -112,9 +114,9 @@ def model_inputs(config: T.TransformerConfig, batch: int, seed: int = 0) -> tupl
 def prepare(variant: str, config: T.TransformerConfig, devices: list[Any], params: Any, tokens: jax.Array) -> Prepared:
     """The jitted step of ``variant`` and its arguments, placed on ``devices``."""
     optimizer = optax.adamw(1e-3)
-    if variant == "jshard":
-        return _jshard(config, params, tokens, devices, optimizer)
+    if variant in ("jshard", "jshard_unit"):
+        return _jshard(config, params, tokens, devices, optimizer, unit_collectives=variant == "jshard_unit")
     if variant in ("replicated", "gspmd", "gspmd_constrained"):
         return _plain(config, params, tokens, devices, optimizer, sharded=variant != "replicated",
                       constrained=variant == "gspmd_constrained")
-    raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
+    raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS + EXTRA_VARIANTS}.")

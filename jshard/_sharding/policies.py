@@ -214,6 +214,12 @@ class FullyShardPolicy:
         reduce-scatter (a sum).
       all_reduce_hook: ``(grad_shard, replicate_axes) -> grad_shard`` replacing the
         all-reduce over replicate axes (a sum); runs on 1-D meshes too, with ``()``.
+      unit_collectives: ``True``: one all-gather and one reduce-scatter for all the
+        unit's leaves, through a flat buffer (FSDP2's copy-in / copy-out): fewer, larger
+        collectives, at the cost of one more gathered unit (and one more unit of
+        gradient) of temporaries while it is copied. ``False`` (default): one per leaf,
+        which XLA's GPU and TPU collective combiners may merge without a copy. Leaves with
+        a custom collective, model axes or an int ``reshard_after_forward`` keep their own.
 
     Example:
       >>> import jshard as js
@@ -234,6 +240,7 @@ class FullyShardPolicy:
     custom_all_gather: Callable[..., Any] | None = None
     custom_reduce_scatter: Callable[..., Any] | None = None
     all_reduce_hook: Callable[..., Any] | None = None
+    unit_collectives: bool = False
 
     def __post_init__(self):
         raf = self.reshard_after_forward
@@ -278,5 +285,6 @@ class FullyShardPolicy:
         for name in ("shard_placement_fn", "ignored_params", "custom_all_gather",
                      "custom_reduce_scatter", "all_reduce_hook"):
             _check_callable(name, getattr(self, name))
-        if not isinstance(self.force_sum_reduction_for_comms, bool):
-            raise ValueError("`force_sum_reduction_for_comms` must be a bool.")
+        for name in ("force_sum_reduction_for_comms", "unit_collectives"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

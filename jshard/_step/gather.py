@@ -20,7 +20,7 @@ from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import LeafLayout, memory_kind, pad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
-from jshard._sharding.unit import FSDPUnit, UnitMeta
+from jshard._sharding.unit import UnitMeta
 from jshard._sharding.views import LocalView
 from jshard._step import collectives as C
 from jshard._step.model_manual import interleave_model, model_manual, model_piece
@@ -212,28 +212,3 @@ def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool
     """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` /
     ``nn.scan`` body over a stacked unit), rather than the whole stored leaf."""
     return policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1
-
-
-def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer: bool = False) -> list[Any]:
-    """The one gather path: ``entries`` (a unit's own shards and sub-unit placeholders, in
-    ``unit.own_entries()`` order; ``meta`` its meta) with every own, non-ignored leaf
-    gathered for compute.
-
-    ``layer=True``: the entries are one layer's slices of a stacked unit (``js.scan``,
-    ``nnx.scan``, ``nn.scan`` bodies). Used by :func:`jshard.unshard` in the local view,
-    :func:`jshard.scan` and the NNX and Linen adapters.
-    """
-    raf = step_reshard(meta)  # a unit of this step, or a clear error
-    if view.pregathered:
-        return list(entries)
-    out = list(entries)
-    for i, layout in enumerate(meta.layouts):
-        if layout is not None and not layout.ignored:
-            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer)
-            out[i] = gather_leaf(comm, entries[i], raf)
-    return out
-
-
-def unshard_unit(unit: FSDPUnit, view: LocalView) -> Any:
-    """The unit's tree with its own leaves gathered; sub-units stay units."""
-    return unit.with_entries(gather_entries(unit.meta, unit.own_entries(), view))

@@ -5,8 +5,8 @@ decides per equation, so when the ``checkpoint_name`` of a gathered value is not
 saveable it saves the *input* of the name instead, which is just as large (the output of
 the slice that removes padding, or of the all-gather). :data:`REMAT_POLICY` therefore
 refuses: values named :data:`FREE` (and :data:`GATHER_START`), outputs of ``all_gather``,
-and outputs of :data:`unpad_p` and :data:`depend_p`, jshard's own slice and dependence
-primitives (a plain ``slice`` or ``add`` would catch the user's too). Remat then walks
+and outputs of :data:`unpad_p`, :data:`depend_p` and :data:`pack_p`, jshard's own slice,
+dependence and concatenation primitives (a plain ``slice`` or ``add`` would catch the user's too). Remat then walks
 back to the shard, which is saved, and re-gathers in backward. Everything else is
 saveable, so activations are not recomputed. Values named :data:`SAVED` (gathered units
 that keep their parameters, group copies of ``reshard_after_forward=k``) are saved at
@@ -67,6 +67,37 @@ unpad_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(unpad_p, mlir.lower_fun(_slice, multiple_results=False))
 ad.deflinear2(unpad_p, _transpose)
 batching.primitive_batchers[unpad_p] = _batch
+
+
+pack_p = jax.extend.core.Primitive("jshard_pack")
+
+
+def pack(vectors: Sequence[jax.Array]) -> jax.Array:
+    """``jnp.concatenate(vectors)`` of 1-D arrays, as a primitive the remat policy refuses to
+    save: a unit's flat buffer of shards is rebuilt from the shards in backward, so that the
+    re-gather depends on them (see [Note: unit collectives] in ``unit_collectives.py``)."""
+    return pack_p.bind(*vectors)
+
+
+def _pack_impl(*vectors):
+    return jax.numpy.concatenate(vectors, axis=-1)
+
+
+def _pack_batch(args, dims):
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    batched = [jax.numpy.broadcast_to(x, (size,) + x.shape) if d is None else jax.numpy.moveaxis(x, d, 0)
+               for x, d in zip(args, dims, strict=True)]
+    return _pack_impl(*batched), 0
+
+
+def _pack_abstract_eval(*vectors):
+    return vectors[0].update(shape=vectors[0].shape[:-1] + (sum(v.shape[-1] for v in vectors),))
+
+
+pack_p.def_impl(_pack_impl)
+pack_p.def_abstract_eval(_pack_abstract_eval)
+mlir.register_lowering(pack_p, mlir.lower_fun(_pack_impl, multiple_results=False))
+batching.primitive_batchers[pack_p] = _pack_batch
 
 
 depend_p = jax.extend.core.Primitive("jshard_depend")
@@ -133,7 +164,7 @@ _RECOMPUTED = frozenset({"convert_element_type", "transpose", "reshape", "broadc
 def _policy(prim, *_, **params) -> bool:
     if prim.name == "name":
         return params["name"] not in (FREE, GATHER_START)
-    return prim not in (unpad_p, depend_p) and prim.name != "all_gather" and prim.name not in _RECOMPUTED
+    return prim not in (unpad_p, depend_p, pack_p) and prim.name != "all_gather" and prim.name not in _RECOMPUTED
 
 
 REMAT_POLICY = _policy

@@ -10,7 +10,8 @@ import jax
 from jshard._sharding.fully_shard import unshard_global
 from jshard._sharding.unit import FSDPUnit, is_unit
 from jshard._sharding.views import current_view
-from jshard._step.gather import gather_entries, step_reshard
+from jshard._step.gather import step_reshard
+from jshard._step.unit_gather import gather_entries
 
 
 def _check_stacked(units: Any) -> FSDPUnit:

@@ -7,7 +7,7 @@ from typing import Any
 from jshard._sharding.fully_shard import unshard_global
 from jshard._sharding.unit import is_unit
 from jshard._sharding.views import current_view
-from jshard._step.gather import unshard_unit
+from jshard._step.unit_gather import unshard_unit
 
 
 def unshard(sharded: Any) -> Any:

@@ -18,11 +18,12 @@ from jshard._sharding.model_axes import axes_of_type, only_axes
 from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
 from jshard._sharding.views import LocalView, current_view, local_view
 from jshard._step import collectives as C
-from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient, unshard_unit
+from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient
 from jshard._step.model_manual import manual_over_model_axes, model_manual
 from jshard._step.offload import to_device, to_host
 from jshard._step.remat import remat_policy as remat_policy_of
 from jshard._step.segments import segmented
+from jshard._step.unit_gather import unshard_unit
 
 
 def _check_units(sharded: Any) -> tuple[list[tuple[FSDPUnit, bool]], MeshAxes]:

@@ -218,7 +218,7 @@ def place_tensor_parallel(params: Any, mesh: Any) -> Any:
 
 
 def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None,
-             custom_all_gather: Any = None) -> Any:
+             custom_all_gather: Any = None, unit_collectives: bool = False) -> Any:
     """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit."""
     import jshard as js
 
@@ -226,6 +226,7 @@ def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any 
         "mp_policy": mp_policy or js.MixedPrecisionPolicy(),
         "offload_policy": offload_policy or js.OffloadPolicy(),
         "custom_all_gather": custom_all_gather,
+        "unit_collectives": unit_collectives,
     }
     blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, **kwargs))
     return js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(**kwargs))

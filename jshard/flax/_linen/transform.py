@@ -26,7 +26,8 @@ from jshard._sharding.nested import get_in, set_in
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.unit import FSDPUnit, is_unit
 from jshard._sharding.views import current_view
-from jshard._step.gather import gather_entries, is_layer_slice, step_reshard
+from jshard._step.gather import is_layer_slice, step_reshard
+from jshard._step.unit_gather import gather_entries
 from jshard.flax._paths import Path, entry_paths, scope_path
 
 

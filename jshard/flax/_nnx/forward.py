@@ -17,7 +17,8 @@ from flax import nnx
 
 from jshard._sharding.dtypes import cast_floating
 from jshard._sharding.views import current_view
-from jshard._step.gather import gather_entries, is_layer_slice
+from jshard._step.gather import is_layer_slice
+from jshard._step.unit_gather import gather_entries
 from jshard.flax._nnx.graph import describe, own_variables, unit_state
 from jshard.flax._nnx.step_context import Held, active_step, current_step
 
