@@ -15,13 +15,18 @@ The step therefore traces the loss to a jaxpr and cuts its top-level equations i
 (an equation reading something other than parameters). Each segment runs as a
 ``custom_vjp`` whose data dependences order the program on every backend:
 
-- forward: each shard the segment gathers is ``depend``-ed on the activations the
-  segment receives from earlier segments, so a unit is gathered no earlier than the
-  layer before it has produced its input (at most the running unit and, while it runs,
-  the next one are gathered);
-- backward: the same shards, as saved in the residuals, are ``depend``-ed on the
-  segment's incoming cotangents, so the re-gather waits for the backward of the layers
-  after it and is a different computation from the forward gather (CSE cannot merge it).
+- forward: each segment hands the next a *token*, a zero ``depend``-ed on the
+  activations it received; the next segment's shards are ``depend``-ed on that token, so
+  a unit is gathered as soon as the layer before it has *started* (FSDP2's prefetch: the
+  next unit's all-gather can overlap the running unit's compute) and no earlier (at most
+  the running unit and the next one are gathered);
+- backward: the token's cotangent is a zero ``depend``-ed on the next segment's incoming
+  cotangents, and the shards, as saved in the residuals, are ``depend``-ed on it, so a
+  re-gather may run while the segment after it computes its backward (prefetch again),
+  not before the one after that finished, and is a different computation from the forward
+  gather (CSE cannot merge it). The last segment has no next: its shards wait for its own
+  cotangents, and the token cotangent it hands back waits for its backward (its incoming
+  cotangent is the loss's constant 1, on which nothing can be made to wait).
 
 ``depend(x, sources)`` (``remat.py``) adds a zero read from one element of each source:
 ``e * 0`` where ``e`` is finite, else 0. It is exactly zero, never NaN, and XLA cannot
@@ -108,10 +113,18 @@ def _evaluator(seg: _Segment, effects: Any) -> Callable[..., list[Any]]:
     return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
 
 
-def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any]) -> list[Any]:
+def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any],
+          prev_token: jax.Array | None, last: bool) -> tuple[list[Any], jax.Array]:
     """Run one segment as a ``custom_vjp`` with the Note's forward and backward dependences.
 
     ``earlier``: the values produced by earlier segments (the activations it depends on).
+    ``prev_token``: the previous segment's token (``None`` for the first), a zero that
+    depends on the activations the previous segment received: the shards depend on it, so
+    this unit is gathered while the previous one computes (prefetch). Returns the outputs
+    and this segment's token. In backward, the token's cotangent is a zero that depends on
+    the next segment's incoming cotangents, and the re-gather depends on it, so it runs
+    while the next segment's backward computes; the last segment, which has no next, waits
+    for its own cotangents.
     """
     shard_at = [i for i, v in enumerate(seg.inputs) if v in seg.gathered]
     act_at = [i for i, v in enumerate(seg.inputs) if v in earlier and v not in seg.gathered]
@@ -123,26 +136,36 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
             vals[i] = depend(vals[i], sources)
         return vals
 
+    def token_of(vals: Sequence[Any]) -> jax.Array:
+        return depend(jax.numpy.zeros((), jax.numpy.float32), [vals[i] for i in act_at])
+
     checkpointed = jax.checkpoint(run, policy=policy)
 
     @jax.custom_vjp
-    def segment(*vals):
-        return run(*with_dep(vals, [vals[i] for i in act_at]))
+    def segment(vals, token):
+        return run(*with_dep(vals, [token])), token_of(vals)
 
-    def fwd(*vals):
-        vals = with_dep(vals, [vals[i] for i in act_at])
+    def fwd(vals, token):
+        vals = with_dep(vals, [token])
         outs, vjp_fn = jax.vjp(checkpointed, *vals)
         leaves, stash["tree"] = jax.tree.flatten(vjp_fn)
         shards = [vals[i] for i in shard_at]
         stash["at"] = [k for k, leaf in enumerate(leaves) if any(leaf is s for s in shards)]
-        return outs, leaves
+        return (outs, token_of(vals)), leaves
 
     def bwd(leaves, cts):
-        leaves = [depend(x, cts) if k in stash["at"] else x for k, x in enumerate(leaves)]
-        return tuple(jax.tree.unflatten(stash["tree"], leaves)(cts))
+        cts, token_ct = cts
+        after = cts if last else [token_ct]  # the re-gather waits for these
+        leaves = [depend(x, after) if k in stash["at"] else x for k, x in enumerate(leaves)]
+        ct_vals = list(jax.tree.unflatten(stash["tree"], leaves)(cts))
+        # The last segment's incoming cotangent is the loss's constant 1: the previous
+        # segment's re-gather then waits for this one's backward, or XLA would merge it with
+        # the forward gather.
+        return ct_vals, depend(jax.numpy.zeros((), jax.numpy.float32), ct_vals if last else cts)
 
     segment.defvjp(fwd, bwd)
-    return segment(*values)
+    token = jax.numpy.zeros((), jax.numpy.float32) if prev_token is None else prev_token
+    return segment(list(values), token)
 
 
 def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..., Any]:
@@ -165,8 +188,10 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, flat_args, strict=True))
         earlier: set[Any] = set()
-        for seg in segments:
-            outs = _call(seg, _evaluator(seg, jaxpr.effects), policy, earlier, [env[v] for v in seg.inputs])
+        token = None
+        for k, seg in enumerate(segments):
+            outs, token = _call(seg, _evaluator(seg, jaxpr.effects), policy, earlier, [env[v] for v in seg.inputs],
+                                token, last=k == len(segments) - 1)
             env.update(zip(seg.outputs, outs, strict=True))
             earlier |= set(seg.outputs)
         flat = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
