@@ -61,7 +61,8 @@ def test_leaves_correspond_one_to_one_in_order():
     sharded = js.fully_shard(params)
     assert len(jax.tree.leaves(sharded)) == len(jax.tree.leaves(params))
     keys = [jax.tree_util.keystr(k) for k, _ in jax.tree.flatten_with_path(sharded)[0]]
-    assert keys[0] == ".tree['ids']"
+    assert keys == [jax.tree_util.keystr(k) for k, _ in jax.tree.flatten_with_path(params)[0]]  # the user's paths
+    assert keys[0] == "['ids']"
 
 
 def test_shard_placement_fn_picks_any_dim():

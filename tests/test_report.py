@@ -154,10 +154,10 @@ def test_report_shows_each_leafs_placement_and_padding_share():
     grad_fn = js.value_and_grad(lambda p, x: jnp.sum(p["conv"]) * jnp.mean(x @ p["odd"]))
     report = step_report(grad_fn, params, jnp.ones((8, 7)))
     placed = {p.path: (p.dim, p.stored, round(p.padding_share, 4)) for p in report.placements}
-    assert placed == {".tree['conv']": (3, (3, 3, 4, 16), 0.0), ".tree['odd']": (0, (8, 15), 0.125)}
+    assert placed == {"['conv']": (3, (3, 3, 4, 16), 0.0), "['odd']": (0, (8, 15), 0.125)}
     text = str(report)
     assert "placement per leaf (2 leaves; most padding first)" in text
-    assert ".tree['odd']" in text.split("placement per leaf")[1].splitlines()[1]  # the most padded first
+    assert "['odd']" in text.split("placement per leaf")[1].splitlines()[1]  # the most padded first
     assert Report.from_dict(json.loads(report.to_json())) == report
 
 

@@ -33,7 +33,7 @@ def placements(params: Any) -> tuple[LeafPlacement, ...]:
       >>> import jax.numpy as jnp, jshard as js
       >>> from jshard._report.placement import placements
       >>> [(p.path, p.dim, p.padding_share) for p in placements(js.fully_shard({"k": jnp.ones((1, 1, 4, 8))}))]
-      [(".tree['k']", 3, 0.0)]
+      [("['k']", 3, 0.0)]
     """
     layouts: list[Any] = []
     map_unit_leaves(lambda meta, layout, x: layouts.append(layout), params)

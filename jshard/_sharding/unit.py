@@ -61,14 +61,17 @@ class FSDPUnit:
         self.meta = meta
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("tree"), self.tree),), self.meta
+        keyed, top = _top_level(self.tree)
+        return keyed, (self.meta, top)
 
     def tree_flatten(self):
-        return (self.tree,), self.meta
+        keyed, top = _top_level(self.tree)
+        return [child for _, child in keyed], (self.meta, top)
 
     @classmethod
-    def tree_unflatten(cls, meta: UnitMeta, children):
-        return cls(children[0], meta)
+    def tree_unflatten(cls, aux: tuple[UnitMeta, Any], children):
+        meta, top = aux
+        return cls(children[0] if top is None else jax.tree.unflatten(top, children), meta)
 
     def __getitem__(self, key):
         value = self.tree[key]
@@ -89,6 +92,42 @@ class FSDPUnit:
     def with_entries(self, entries: list[Any]) -> Any:
         """``unit.tree`` with its own entries replaced (a plain tree, not a unit)."""
         return jax.tree.unflatten(jax.tree.structure(self.tree, is_leaf=is_unit), entries)
+
+
+class _UnitKey:
+    """The key path entry of a unit made from a single array: it prints as nothing."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return "UnitKey()"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _UnitKey)
+
+    def __hash__(self) -> int:
+        return hash(_UnitKey)
+
+
+UNIT_KEY = _UnitKey()
+
+
+def _top_level(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """The children of ``tree``'s top-level node with their keys, and that node's structure
+    (``None`` for a bare leaf, whose key prints as nothing).
+
+    [Note: unit keys] A unit is a pytree node that stands in for the top-level node of the
+    tree it was made from: its children are that node's children, under that node's keys, so
+    ``jax.tree_util.tree_flatten_with_path`` of a sharded tree gives the key paths of the
+    tree ``fully_shard`` was given (``['layer']['bias']``), not ``.tree['layer']...``.
+    """
+    flat, top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if len(flat) == 1 and not flat[0][0]:  # tree is a leaf itself
+        return [(UNIT_KEY, flat[0][1])], None
+    return [(path[0], child) for path, child in flat], top
 
 
 READ_SHARD = (
