@@ -15,21 +15,14 @@ Leaves offloaded to host memory (``CPUOffloadPolicy``) are moved to device memor
 update and the results back to their stored memory kind, as ``js.offload_optimizer(tx,
 "device")`` does.
 
-[Note: state layout] The state is stored padded and sharded too. A state leaf inside a
-unit that has its parameter's shape (Adam's ``mu``, ``nu``) gets the parameter's layout.
-Any other leaf inside a unit (Adafactor's factored ``v_row`` / ``v_col``, its ``(1,)``
-placeholders) is replicated when it has fewer than ``min_size_to_shard`` elements, and
-otherwise sharded on its largest dim, padded like a parameter. Leaves outside units
-(step counts) are replicated. Units in the state carry these layouts in their meta, so
-:func:`jshard.unshard` and :mod:`jshard.state_dict` read the state exactly; where the
-layouts equal the parameter's (``mu``, ``nu``), the meta equals the parameter unit's.
+The state has the structure of the unsharded state, whatever the transformation (masks,
+labels, Muon): see [Note: state layout] in ``state_layout.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -40,7 +33,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jshard._sharding.layout import LeafLayout, memory_kind, pad, partition_spec, unpad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import axes_of_type, only_axes
-from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
+from jshard._sharding.unit import all_units, is_unit, map_unit_leaves
+from jshard._state.state_layout import replicated_layout, stored_state
+from jshard._state.stored_leaves import strip_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,47 +76,15 @@ def _common_target(tree: Any, name: str) -> _Target:
     return _Target(first.mesh, first.axes)
 
 
-def _replicated(x: Any) -> LeafLayout:
-    shape = tuple(np.shape(x))
-    return LeafLayout(shape, np.dtype(x.dtype), None, 0)
-
-
 def _places(tree: Any) -> list[_Place]:
     """The placement of every stored leaf of ``tree``, in ``jax.tree.leaves`` order."""
 
     def place(meta, layout, x):
         if layout is None:
-            return _Place(_replicated(x), None)
+            return _Place(replicated_layout(x), None)
         return _Place(layout, memory_kind(layout, meta.policy))
 
     return jax.tree.leaves(map_unit_leaves(place, tree))
-
-
-def _state_layout(param: LeafLayout, x: Any, shard_size: int, min_size: int) -> LeafLayout:
-    """The layout of a state leaf inside a unit (see [Note: state layout])."""
-    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
-    if shape == param.shape:
-        return dataclasses.replace(param, dtype=dtype)
-    if param.ignored or not shape or math.prod(shape) < min_size:
-        return LeafLayout(shape, dtype, None, 0, ignored=param.ignored)
-    dim = int(np.argmax(shape))
-    return LeafLayout(shape, dtype, dim, shard_size * math.ceil(shape[dim] / shard_size))
-
-
-def _state_tree_layout(view: Any, shard_size: int, min_size: int) -> Any:
-    """The stored form of an (abstract) view state: units get metas with state layouts, leaves become layouts."""
-    if is_unit(view):
-        entries, layouts = [], []
-        for layout, x in zip(view.meta.layouts, view.own_entries(), strict=True):
-            new = _state_tree_layout(x, shard_size, min_size) if layout is None else _state_layout(
-                layout, x, shard_size, min_size)
-            entries.append(new)
-            layouts.append(None if layout is None else new)
-        return FSDPUnit(view.with_entries(entries), dataclasses.replace(view.meta, layouts=tuple(layouts)))
-    treedef = jax.tree.structure(view, is_leaf=is_unit)
-    entries = [_state_tree_layout(x, shard_size, min_size) if is_unit(x) else _replicated(x)
-               for x in treedef.flatten_up_to(view)]
-    return jax.tree.unflatten(treedef, entries)
 
 
 def _auto_mesh(mesh: Mesh) -> Mesh:
@@ -157,6 +120,11 @@ def _view(tree: Any, target: _Target) -> Any:
     return jax.tree.unflatten(treedef, [_unpadded(x, p, target) for x, p in zip(leaves, _places(tree), strict=True)])
 
 
+def _plain_view(tree: Any, target: _Target) -> Any:
+    """The tree as the user wrote it: units stripped, every stored leaf unpadded."""
+    return strip_units(_view(tree, target))
+
+
 def _abstract_view(tree: Any) -> Any:
     def shape(meta, layout, x):
         return jax.ShapeDtypeStruct(x.shape if layout is None else layout.shape, x.dtype)
@@ -188,6 +156,21 @@ def _in_auto_mode(fn: Any, target: _Target, stored_like: Any) -> Any:
     return placed
 
 
+_STRUCTURE = (
+    "shard_optimizer({tx}): the transformation could not match a tree of its own (a mask, labels "
+    "or per-parameter settings) to the parameters: {error}. It runs on the parameters as you wrote "
+    "them, without FSDPUnit nodes, so write masks and labels for that tree (a dict, a FrozenDict or a "
+    "callable on params), not for the sharded one; js.state_dict.sharded_state_dict(params) gives "
+    "that plain tree of a sharded one."
+)
+
+
+def _name(tx: Any) -> str:
+    init = getattr(tx, "init", None)
+    qualname = getattr(init, "__qualname__", type(tx).__name__)
+    return qualname.split(".<locals>")[0]
+
+
 def _is_array_tree(value: Any) -> bool:
     return all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)) for x in jax.tree.leaves(value))
 
@@ -196,19 +179,24 @@ def shard_optimizer(tx: optax.GradientTransformation, *, min_size_to_shard: int 
                     ) -> optax.GradientTransformationExtraArgs:
     """Run an Optax transformation on sharded parameters exactly as on unsharded ones.
 
-    ``tx`` sees every leaf at its original shape (the padding sliced off, the arrays
-    still sharded), so statistics that count elements (Adafactor's means and parameter
-    RMS, anything with ``mean`` or ``size``) match the unsharded run, and padding never
-    reaches the state or the parameters: returned updates have zero padding rows. The
-    state is stored sharded like the parameters it mirrors; other state leaves of a unit
-    (e.g. Adafactor's factored moments) are replicated below ``min_size_to_shard``
-    elements and sharded on their largest dim above it. ``init`` and ``update`` are
-    jitted, and work inside an outer ``jit`` too.
+    ``tx`` sees the parameters as you wrote them: your containers without FSDPUnit nodes,
+    every leaf at its original shape (the padding sliced off, the arrays still sharded).
+    So masks and labels written for your tree (``optax.adamw(mask={...})``,
+    ``optax.masked``, ``optax.multi_transform``, a dict, a ``FrozenDict`` or a callable)
+    work as on unsharded parameters, statistics that count elements (Adafactor's means,
+    parameter RMS) match the unsharded run, and padding never reaches the state or the
+    parameters: returned updates have zero padding rows. The state has the structure of
+    the unsharded state; a leaf that mirrors a parameter (Adam's ``mu``) is stored sharded
+    like it, another leaf of a parameter (SM3's accumulators, Adafactor's factored
+    moments) is replicated below ``min_size_to_shard`` elements and sharded on its largest
+    dim above it, the rest (step counts) replicated ([Note: state layout]). ``init`` and
+    ``update`` are jitted, and work inside an outer ``jit`` too.
 
     Args:
-      tx: any Optax gradient transformation (a ``chain`` included).
-      min_size_to_shard: state leaves that do not mirror a parameter are sharded only
-        from this many elements on.
+      tx: any Optax gradient transformation (a ``chain``, ``masked``,
+        ``multi_transform``, ``optax.contrib.muon`` included).
+      min_size_to_shard: state leaves that belong to a parameter without mirroring it are
+        sharded only from this many elements on.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose ``init`` takes a tree of units
@@ -218,7 +206,8 @@ def shard_optimizer(tx: optax.GradientTransformation, *, min_size_to_shard: int 
 
     Raises:
       ValueError: a tree without units, a leaf outside every unit, units on different
-        meshes or data-parallel axes.
+        meshes or data-parallel axes; a mask or labels tree that does not match the
+        parameters as you wrote them (the message names the transformation and the fix).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jshard as js
@@ -234,27 +223,33 @@ def shard_optimizer(tx: optax.GradientTransformation, *, min_size_to_shard: int 
         raise ValueError(f"`min_size_to_shard` must be a positive int, got {min_size_to_shard!r}.")
     inner = optax.with_extra_args_support(tx)
 
-    def stored_state(params: Any, target: _Target) -> Any:
-        abstract = jax.eval_shape(inner.init, _abstract_view(params))
-        return _state_tree_layout(abstract, target.axes.shard_size, min_size_to_shard)
+    def stored(params: Any, target: _Target) -> Any:
+        abstract = jax.eval_shape(init_on_view, strip_units(_abstract_view(params)))
+        return stored_state(abstract, params, target.axes.shard_size, min_size_to_shard)
+
+    def init_on_view(view: Any) -> Any:
+        try:
+            return inner.init(view)
+        except (ValueError, TypeError) as e:
+            if "structure" not in str(e) and "tree" not in str(e):
+                raise
+            raise ValueError(_STRUCTURE.format(tx=_name(tx), error=e)) from e
 
     @jax.jit
     def init_fn(params: Any) -> Any:
         target = _common_target(params, "params")
-        layouts = stored_state(params, target)
-        return _in_auto_mode(lambda p: _store(inner.init(_view(p, target)), layouts, target), target, layouts)(params)
+        layouts = stored(params, target)
+        init = lambda p: _store(init_on_view(_plain_view(p, target)), layouts, target)  # noqa: E731
+        return _in_auto_mode(init, target, layouts)(params)
 
     @functools.partial(jax.jit, static_argnums=(4,))
     def update_jit(updates, state, params, arrays, static):
         target = _common_target(updates, "updates")
-        view_state = jax.tree.structure(jax.eval_shape(inner.init, _abstract_view(updates)))
         extra = dict(arrays, **dict(static))
 
         def body(u, s, p):
-            u_view = _view(u, target)
-            s_view = jax.tree.unflatten(view_state, jax.tree.leaves(_view(s, target)))
-            p_view = None if p is None else _view(p, target)
-            new_u, new_s = inner.update(u_view, s_view, p_view, **extra)
+            p_view = None if p is None else _plain_view(p, target)
+            new_u, new_s = inner.update(_plain_view(u, target), _plain_view(s, target), p_view, **extra)
             return _store(new_u, u, target), _store(new_s, s, target)
 
         return _in_auto_mode(body, target, (updates, state))(updates, state, params)
