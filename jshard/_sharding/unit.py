@@ -78,6 +78,14 @@ class FSDPUnit:
         _check_read(self, key, value)
         return value
 
+    def __getattr__(self, name: str):
+        """``unit.fast`` is ``unit.tree.fast`` for a unit made from a NamedTuple or dataclass."""
+        if name.startswith("__") or name in FSDPUnit.__slots__:
+            raise AttributeError(name)
+        value = getattr(self.tree, name)
+        _check_read(self, name, value)
+        return value
+
     def __contains__(self, key) -> bool:
         """``key in unit`` is ``key in unit.tree`` (Flax's ``TrainState`` asks this of params)."""
         return key in self.tree

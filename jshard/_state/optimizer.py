@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -125,6 +126,13 @@ def _plain_view(tree: Any, target: _Target) -> Any:
     return strip_units(_view(tree, target))
 
 
+def _abstract_plain(tree: Any) -> Any:
+    """Shapes and dtypes of the tree as the user wrote it (units stripped, unpadded), unplaced."""
+    if tree is None:
+        return None
+    return strip_units(_abstract_view(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)))
+
+
 def _abstract_view(tree: Any) -> Any:
     def shape(meta, layout, x):
         return jax.ShapeDtypeStruct(x.shape if layout is None else layout.shape, x.dtype)
@@ -163,6 +171,21 @@ _STRUCTURE = (
     "callable on params), not for the sharded one; js.state_dict.sharded_state_dict(params) gives "
     "that plain tree of a sharded one."
 )
+
+
+def _updates_like(new: Any, updates: Any, params: Any, tx: Any) -> Any:
+    """The sharded tree whose structure the new updates have: the updates' own, or the
+    parameters' (``optax.lookahead`` takes updates of ``params.fast`` and returns updates of
+    ``LookaheadParams``)."""
+    structure = jax.tree.structure(new)
+    for like in (updates, params):
+        if like is not None and jax.tree.structure(strip_units(like)) == structure:
+            return like
+    raise ValueError(
+        f"shard_optimizer({_name(tx)}): its updates have the structure {structure}, neither the updates' "
+        "nor the parameters' as you wrote them, so they cannot be placed like either; a transformation "
+        "whose updates are not updates of the parameters (a measurement) cannot run under shard_optimizer."
+    )
 
 
 def _name(tx: Any) -> str:
@@ -245,14 +268,21 @@ def shard_optimizer(tx: optax.GradientTransformation, *, min_size_to_shard: int 
     @functools.partial(jax.jit, static_argnums=(4,))
     def update_jit(updates, state, params, arrays, static):
         target = _common_target(updates, "updates")
-        extra = dict(arrays, **dict(static))
 
-        def body(u, s, p):
-            p_view = None if p is None else _plain_view(p, target)
-            new_u, new_s = inner.update(_plain_view(u, target), _plain_view(s, target), p_view, **extra)
-            return _store(new_u, u, target), _store(new_s, s, target)
+        def plain_update(view: Callable[[Any], Any], u, s, p, a):
+            a = {k: view(v) for k, v in a.items()}  # grad=: a tree like the parameters
+            return inner.update(view(u), view(s), view(p), **a, **dict(static))
 
-        return _in_auto_mode(body, target, (updates, state))(updates, state, params)
+        abstract = [_abstract_plain(t) for t in (updates, state, params)]
+        new_shapes, _ = jax.eval_shape(functools.partial(plain_update, lambda t: t), *abstract,
+                                       {k: _abstract_plain(v) for k, v in arrays.items()})
+        like = _updates_like(new_shapes, updates, params, tx)
+
+        def body(u, s, p, a):
+            new_u, new_s = plain_update(lambda t: _plain_view(t, target) if all_units(t) else t, u, s, p, a)
+            return _store(new_u, like, target), _store(new_s, s, target)
+
+        return _in_auto_mode(body, target, (like, state))(updates, state, params, arrays)
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         arrays = {k: v for k, v in extra_args.items() if _is_array_tree(v)}

@@ -7,6 +7,8 @@ SM3's own structures included. Each state leaf is then placed by its key path:
 
 - a leaf whose path ends with a parameter's path and has that parameter's shape (Adam's
   ``mu['layer']['w']``) mirrors it: the parameter's layout, in the leaf's dtype;
+- a leaf whose path ends as a parameter's does, with its shape, mirrors it too
+  (``optax.lookahead`` keeps the state of ``params.fast`` under ``fast_state``);
 - a leaf under a parameter's path otherwise (SM3's per-dim accumulators
   ``mu['layer']['w'][0]``, Adafactor's factored moments) belongs to it: replicated below
   ``min_size_to_shard`` elements, else sharded on its largest dim, padded like a parameter;
@@ -37,8 +39,9 @@ from jshard._state.stored_leaves import strip_units
 
 
 def replicated_layout(x: Any) -> LeafLayout:
-    """The layout of a leaf stored whole on every device."""
-    return LeafLayout(tuple(np.shape(x)), np.dtype(x.dtype), None, 0)
+    """The layout of a leaf stored whole on every device (a PRNG key array keeps its key dtype)."""
+    dtype = x.dtype if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else np.dtype(x.dtype)
+    return LeafLayout(tuple(np.shape(x)), dtype, None, 0)
 
 
 def _own_layout(param: LeafLayout, x: Any, shard_size: int, min_size: int) -> LeafLayout:
@@ -66,19 +69,26 @@ def _parameters(params: Any) -> dict[tuple, _Facts]:
     return dict(zip(paths, facts, strict=True))
 
 
-def _owner(path: tuple, shape: tuple[int, ...], params: dict[tuple, _Facts]) -> tuple[_Facts | None, bool]:
-    """The parameter a state leaf at ``path`` belongs to, and whether it mirrors it: the
-    parameter whose path ends ``path`` (with its shape) or ends a prefix of it, longest first."""
-    best, mirrors = None, False
+def _owner(path: tuple, shape: tuple[int, ...], params: dict[tuple, _Facts]) -> _Facts | None:
+    """The parameter a state leaf at ``path`` belongs to: the one whose whole path ends ``path``
+    or a prefix of it (longest first); else one of its shape whose path ends as ``path`` does
+    (most keys first: ``optax.lookahead`` keeps ``fast``'s state under ``fast_state``)."""
+    best = None
     for q, facts in params.items():
         n = len(q)
         for end in range(len(path), n - 1, -1):
             if path[end - n : end] == q:
                 exact = end == len(path) and shape == facts.layout.shape
-                if best is None or n > len(best[0]) or (n == len(best[0]) and exact):
-                    best, mirrors = (q, facts), exact
+                if best is None or n > best[0] or (n == best[0] and exact):
+                    best = (n, facts)
                 break
-    return (None if best is None else best[1]), mirrors
+    if best is not None:
+        return best[1]
+    for k in range(len(path), 0, -1):
+        for q, facts in params.items():
+            if q[-k:] == path[-k:] and len(q) >= k and shape == facts.layout.shape:
+                return facts
+    return None
 
 
 def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> Any:
@@ -114,7 +124,7 @@ def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: in
     def place(path, x):
         if of_params(x):
             return _with_units(x, params, shard_size, min_size)
-        facts, _ = _owner(path, tuple(np.shape(x)), by_path)
+        facts = _owner(path, tuple(np.shape(x)), by_path)
         if facts is None:
             return x
         layout = _own_layout(facts.layout, x, shard_size, min_size)
