@@ -6,6 +6,7 @@ the machine, compile only.
 """
 
 from jshard._report.memory import Memory as Memory
+from jshard._report.placement import parameter_count as parameter_count
 from jshard._report.report import Report as Report
 from jshard._report.report import format_report as format_report
 from jshard._report.report import report_lowered as report_lowered
@@ -22,6 +23,7 @@ __all__ = [
     "StepCollective",
     "format_report",
     "main",
+    "parameter_count",
     "plan",
     "report_lowered",
     "step_collectives",

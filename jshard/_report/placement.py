@@ -45,3 +45,21 @@ def placements(params: Any) -> tuple[LeafPlacement, ...]:
         share = (stored - math.prod(layout.shape)) / stored if stored else 0.0
         out.append(LeafPlacement(jax.tree_util.keystr(path), layout.shape, layout.padded_shape, layout.dim, share))
     return tuple(out)
+
+
+def parameter_count(tree: Any) -> int:
+    """Elements of the parameters as they were written, padding excluded.
+
+    ``sum(x.size for x in jax.tree.leaves(sharded))`` counts the stored arrays, padding
+    rows included; this counts each leaf at its original shape (the figure the report
+    prints as "parameters").
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> from jshard.report import parameter_count
+      >>> sharded = js.fully_shard({"w": jnp.ones((15, 13)), "v": jnp.ones((15, 2)), "b": jnp.ones(15)})
+      >>> parameter_count(sharded), sum(x.size for x in jax.tree.leaves(sharded))
+      (240, 256)
+    """
+    sizes = map_unit_leaves(lambda meta, layout, x: math.prod(x.shape if layout is None else layout.shape), tree)
+    return int(sum(jax.tree.leaves(sizes)))
