@@ -6,6 +6,9 @@ docs/optax.md. The default run covers a representative set on both meshes; the s
 (``-m slow``) every transformation Optax exports, found at run time.
 """
 
+import pathlib
+import re
+
 import flax.core
 import jax
 import jax.numpy as jnp
@@ -217,3 +220,11 @@ def test_nnx_optimizer_with_jnnx_shard_optimizer_matches_the_unsharded_model(tx_
     """nnx.Optimizer(model, jnnx.shard_optimizer(model, tx), wrt=nnx.Param): Adafactor and Muon read
     shapes, so on the padded Params alone they would differ (Adafactor measured 0.2755 vs 0.2628)."""
     np.testing.assert_allclose(_nnx_losses(tx_fn, True), _nnx_losses(tx_fn, False), rtol=1e-5)
+
+
+def test_the_docs_example_runs():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "optax.md").read_text()
+    code = re.search(r"<!-- optax-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "docs/optax.md", "exec"), namespace)
+    assert namespace["sharded"]["w"].shape == (16, 13)  # still sharded and padded after both optimizers
