@@ -80,8 +80,8 @@ class FSDPUnit:
 
     def __getattr__(self, name: str):
         """``unit.fast`` is ``unit.tree.fast`` for a unit made from a NamedTuple or dataclass."""
-        if name.startswith("__") or name in FSDPUnit.__slots__:
-            raise AttributeError(name)
+        if name.startswith("__") or name in FSDPUnit.__slots__ or not _is_container(self.tree):
+            raise AttributeError(name)  # a unit of one array is no array: no .shape, .dtype...
         value = getattr(self.tree, name)
         _check_read(self, name, value)
         return value
@@ -100,6 +100,10 @@ class FSDPUnit:
     def with_entries(self, entries: list[Any]) -> Any:
         """``unit.tree`` with its own entries replaced (a plain tree, not a unit)."""
         return jax.tree.unflatten(jax.tree.structure(self.tree, is_leaf=is_unit), entries)
+
+
+def _is_container(tree: Any) -> bool:
+    return jax.tree.structure(tree).num_nodes > 1 or not jax.tree.leaves(tree)
 
 
 class _UnitKey:
