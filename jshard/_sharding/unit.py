@@ -54,24 +54,32 @@ class FSDPUnit:
       (8, 3)
     """
 
-    __slots__ = ("tree", "meta")
+    __slots__ = ("tree", "meta", "_top")
 
-    def __init__(self, tree: Any, meta: UnitMeta):
+    def __init__(self, tree: Any, meta: UnitMeta, top: tuple[Any, tuple[Any, ...]] | None = None):
         self.tree = tree
         self.meta = meta
+        self._top = top  # the tree's top-level structure and keys, found once ([Note: unit keys])
+
+    def _children(self) -> tuple[list[Any], tuple[Any, tuple[Any, ...]]]:
+        if self._top is None:
+            self._top = _top_level(self.tree)
+        top, _ = self._top
+        children = [self.tree] if top is None else list(jax.tree_util.default_registry.flatten_one_level(self.tree)[0])
+        return children, self._top
 
     def tree_flatten_with_keys(self):
-        keyed, top = _top_level(self.tree)
-        return keyed, (self.meta, top)
+        children, (top, keys) = self._children()
+        return list(zip(keys, children, strict=True)), (self.meta, top, keys)
 
     def tree_flatten(self):
-        keyed, top = _top_level(self.tree)
-        return [child for _, child in keyed], (self.meta, top)
+        children, (top, keys) = self._children()
+        return children, (self.meta, top, keys)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[UnitMeta, Any], children):
-        meta, top = aux
-        return cls(children[0] if top is None else jax.tree.unflatten(top, children), meta)
+    def tree_unflatten(cls, aux: tuple[UnitMeta, Any, tuple[Any, ...]], children):
+        meta, top, keys = aux
+        return cls(children[0] if top is None else top.unflatten(children), meta, (top, keys))
 
     def __getitem__(self, key):
         value = self.tree[key]
@@ -127,19 +135,21 @@ class _UnitKey:
 UNIT_KEY = _UnitKey()
 
 
-def _top_level(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """The children of ``tree``'s top-level node with their keys, and that node's structure
-    (``None`` for a bare leaf, whose key prints as nothing).
+def _top_level(tree: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The structure of ``tree``'s top-level node (``None`` for a bare leaf) and its
+    children's keys (a key that prints as nothing for a bare leaf).
 
     [Note: unit keys] A unit is a pytree node that stands in for the top-level node of the
     tree it was made from: its children are that node's children, under that node's keys, so
     ``jax.tree_util.tree_flatten_with_path`` of a sharded tree gives the key paths of the
-    tree ``fully_shard`` was given (``['layer']['bias']``), not ``.tree['layer']...``.
+    tree ``fully_shard`` was given (``['layer']['bias']``), not ``.tree['layer']...``. Units
+    are flattened on every ``jit`` call, so each unit finds this structure once and hands it
+    to the units unflattened from it.
     """
-    flat, top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
-    if len(flat) == 1 and not flat[0][0]:  # tree is a leaf itself
-        return [(UNIT_KEY, flat[0][1])], None
-    return [(path[0], child) for path, child in flat], top
+    if jax.tree_util.default_registry.flatten_one_level(tree) is None:  # tree is a leaf itself
+        return None, (UNIT_KEY,)
+    keyed, top = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    return top, tuple(path[0] for path, _ in keyed)
 
 
 READ_SHARD = (
