@@ -37,6 +37,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "training: step 3/3, loss" in text and "\r" not in done.stderr and len(done.stderr) < 2000
 
 
+@pytest.mark.slow  # ~22 s; mixed precision and offload are covered by the step, offload and demo-flag tests
 def test_mixed_precision_and_offload_flags(tmp_path):
     # The demo is a user program with JAX's default promotion: optax's Adam raises a Python
     # float to its int32 step count, which the tests' strict promotion refuses.

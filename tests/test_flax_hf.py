@@ -63,7 +63,8 @@ def docs_snippet() -> str:
     return re.search(r"<!-- hf-snippet -->\s*```python\n(.*?)```", text, re.S).group(1)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# BERT and Llama take the path GPT-2 takes (~25 s each): in the slow run only.
+@pytest.mark.parametrize("name", [n if n == "gpt2" else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
 def test_docs_snippet_trains_like_the_unsharded_model(name):
     model, layer = MODELS[name]()
     input_ids = jax.random.randint(jax.random.key(1), (16, 12), 0, 61)
@@ -128,6 +129,7 @@ def gpt2_step_memory(layers, raf, remat_policy=None):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # 6 compiles, ~60 s; the Linen per-module bound (test_memory_bound.py) is the same mechanism
 def test_gpt2_layers_are_gathered_one_at_a_time():
     """Measured (8 devices, 2 sequences of 64 tokens per device): temp per extra layer 2.4 MiB with
     activations saved (3.0 MiB more when gathered layers are kept), 0.1 MiB with them recomputed."""
