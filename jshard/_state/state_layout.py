@@ -34,8 +34,8 @@ import jax
 import numpy as np
 
 from jshard._sharding.layout import LeafLayout
-from jshard._sharding.unit import FSDPUnit, UnitMeta, is_unit, map_unit_leaves
-from jshard._state.stored_leaves import strip_units
+from jshard._sharding.unit import FSDPUnit, is_unit
+from jshard._state.stored_leaves import StoredLeaf, stored_leaves, strip_units
 
 
 def replicated_layout(x: Any) -> LeafLayout:
@@ -55,21 +55,12 @@ def _own_layout(param: LeafLayout, x: Any, shard_size: int, min_size: int) -> Le
     return LeafLayout(shape, dtype, dim, shard_size * math.ceil(shape[dim] / shard_size))
 
 
-class _Facts:
-    """A pytree leaf holding one parameter's unit meta and layout."""
-
-    def __init__(self, meta: UnitMeta, layout: LeafLayout):
-        self.meta, self.layout = meta, layout
+def _parameters(params: Any) -> dict[tuple, StoredLeaf]:
+    """Every parameter's unit facts (``meta``, ``layout``), by its key path in the user's tree."""
+    return {record.path: record for record in stored_leaves(params)}
 
 
-def _parameters(params: Any) -> dict[tuple, _Facts]:
-    """Every parameter's unit facts, by its key path in the user's tree."""
-    facts = jax.tree.leaves(map_unit_leaves(lambda meta, layout, x: _Facts(meta, layout), params))
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(strip_units(params))[0]]
-    return dict(zip(paths, facts, strict=True))
-
-
-def _owner(path: tuple, shape: tuple[int, ...], params: dict[tuple, _Facts]) -> _Facts | None:
+def _owner(path: tuple, shape: tuple[int, ...], params: dict[tuple, StoredLeaf]) -> StoredLeaf | None:
     """The parameter a state leaf at ``path`` belongs to: the one whose whole path ends ``path``
     or a prefix of it (longest first); else one of its shape whose path ends as ``path`` does
     (most keys first: ``optax.lookahead`` keeps ``fast``'s state under ``fast_state``)."""
