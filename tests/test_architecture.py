@@ -27,6 +27,7 @@ LAYERS = {
     "jshard._step": 2,
     "jshard._state": 3,
     "jshard._report": 3,
+    "jshard._plan": 4,
     "jshard.flax._paths": 4,
     "jshard.flax._nnx": 4,
     "jshard.flax._linen": 4,

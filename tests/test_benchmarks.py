@@ -1,9 +1,11 @@
-"""benchmarks.compare and benchmarks.memory_sweep, quick runs: every field, and jshard at or below the recipe."""
+"""benchmarks.compare, memory_sweep and accelerator, quick runs: every field, jshard at or below the recipe."""
 
 import json
 import pathlib
 import subprocess
 import sys
+
+import jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = {"peak_bytes", "argument_bytes", "temp_bytes", "output_bytes", "collective_bytes",
@@ -44,3 +46,16 @@ def test_quick_memory_sweep(tmp_path):
     for m in models:
         peaks = m["peak_bytes"]
         assert peaks["jshard"] <= peaks["recipe"], m["name"]  # same activation recomputation as the recipe
+
+
+def test_accelerator_benchmark_dry_run_on_cpu(capsys):
+    """``python -m benchmarks.accelerator`` on the CPU devices: the code a GPU run takes, end to end."""
+    from benchmarks import accelerator
+
+    result = accelerator.main(["--size", "tiny", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert result["devices"] == 8 and result["platform"] == "cpu" and result["size"] == "tiny"
+    assert result["tokens_per_second"] > 0 and result["flops_per_device"] > 0
+    assert result["planned_peak_bytes"] > 0 and result["mfu"] is None  # no profile for a CPU
+    assert "exposed comm." in out and "--xla_gpu_enable_latency_hiding_scheduler=true" in out
+    assert accelerator.choose_size(jax.devices(), 1, False) == "tiny"  # CPUs report no memory limit

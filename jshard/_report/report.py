@@ -7,9 +7,8 @@ allocated) and returns a :class:`Report`: per-device bytes from
 program (kind, dtype as asked for in the lowered program, bytes, replica groups, loop
 trip counts), and the figures of ``DESIGN.md`` "Performance model" with the ratio
 measured / analytic. ``print(report)`` shows a table; ``report.to_dict()`` /
-``report.to_json()`` give the same to a program. :func:`plan` does this for a stacked
-transformer on a mesh larger than the machine (``python -m jshard.report --plan``;
-``jshard/demo/plan.py``).
+``report.to_json()`` give the same to a program. ``jshard.report.plan`` does this for a
+user's step on a mesh larger than the machine (``jshard/_plan/``, docs/planning.md).
 """
 
 from __future__ import annotations
@@ -219,6 +218,12 @@ def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, micr
       >>> report_lowered(lowered, args).analytic.params
       64
     """
+    return report_compiled(lowered.compile(), lowered.as_text(), args, params, microbatches)
+
+
+def report_compiled(compiled: Any, lowered_text: str, args: tuple[Any, ...], params: Any = None,
+                    microbatches: int = 1, compiled_text: str | None = None) -> Report:
+    """A :class:`Report` from a compiled step and its lowered program's text (see :func:`report_lowered`)."""
     if params is None:
         params = next((a for a in args if all_units(a)), None)
         if params is None:
@@ -226,12 +231,11 @@ def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, micr
                 "No argument of the step contains an FSDPUnit: pass the output of js.fully_shard "
                 "as an argument, or name it with `params=`."
             )
-    compiled = lowered.compile()
     shardings = compiled.input_shardings[0]
     mesh = all_units(params)[0][0].meta.mesh
     return Report(
         memory=Memory.from_compiled(compiled),
-        collectives=tuple(step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))),
+        collectives=tuple(step_collectives(compiled_text or compiled.as_text(), lowered_text, dict(mesh.shape))),
         analytic=analytic(params, args, shardings, microbatches),
         mesh={str(k): int(v) for k, v in mesh.shape.items()},
         placements=placements(params),

@@ -1,8 +1,8 @@
 """The demo: a small Flax transformer trained fully sharded (``python -m jshard.demo``).
 
 ``train.py`` runs it, ``model.py`` is the model (shared with the planner and the
-benchmarks), ``plan.py`` plans that model on a mesh larger than the machine
-(``python -m jshard.report --plan``).
+benchmarks); ``plan.py`` and ``llama3.py`` are plan builders for that model and a
+Llama-3-8B shape (``python -m jshard.report plan jshard.demo.llama3:build_nnx``).
 
 Example:
   >>> from jshard.demo import load_text

@@ -165,14 +165,16 @@ def logits_fn(params: Any, tokens: jax.Array, config: TransformerConfig, run_blo
 
     Each block is rematerialised: backward recomputes it from its input, with
     ``jax.checkpoint`` (``remat="checkpoint"``, the plain-JAX way) or with
-    :func:`recompute_in_backward` (``"custom_vjp"``, which ``js.scan`` needs).
+    :func:`recompute_in_backward` (``"custom_vjp"``, which ``js.scan`` needs); ``"none"``
+    leaves it to the step's remat policy.
     """
     block = Block(config)
 
     def apply(h, layer):
         return block.apply({"params": layer}, h)
 
-    apply = jax.checkpoint(apply) if remat == "checkpoint" else recompute_in_backward(apply)
+    if remat != "none":
+        apply = jax.checkpoint(apply) if remat == "checkpoint" else recompute_in_backward(apply)
 
     def body(h, layer):
         return apply(h, layer), None
@@ -218,7 +220,8 @@ def place_tensor_parallel(params: Any, mesh: Any) -> Any:
 
 
 def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None,
-             custom_all_gather: Any = None, unit_collectives: bool = False) -> Any:
+             custom_all_gather: Any = None, unit_collectives: bool = False,
+             reshard_after_forward: bool = True) -> Any:
     """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit."""
     import jshard as js
 
@@ -228,7 +231,8 @@ def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any 
         "custom_all_gather": custom_all_gather,
         "unit_collectives": unit_collectives,
     }
-    blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, **kwargs))
+    blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(
+        scan_axis=0, reshard_after_forward=reshard_after_forward, **kwargs))
     return js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(**kwargs))
 
 
@@ -262,19 +266,22 @@ def init_opt_state(optimizer: Any, params: Any, mesh: Any) -> Any:
     return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state)
 
 
-def jshard_train_step(config: TransformerConfig, optimizer: Any) -> Callable[..., Any]:
+def jshard_train_step(config: TransformerConfig, optimizer: Any, remat: str = "custom_vjp",
+                      remat_policy: Any = None) -> Callable[..., Any]:
     """``step(params, opt_state, tokens) -> (params, opt_state, loss)`` for :func:`shard_lm` params.
 
     The root unit is gathered once; the blocks one layer at a time by :func:`jshard.scan`.
+    Each block is recomputed in backward (``remat="custom_vjp"``), or with ``"none"`` what
+    backward recomputes is ``remat_policy``'s choice (``js.value_and_grad``'s).
     """
     import optax
 
     import jshard as js
 
     def loss_fn(params, tokens):
-        return lm_loss(js.unshard(params), tokens, config, js.scan, remat="custom_vjp")
+        return lm_loss(js.unshard(params), tokens, config, js.scan, remat=remat)
 
-    grad_fn = js.value_and_grad(loss_fn, unshard_params=False)
+    grad_fn = js.value_and_grad(loss_fn, unshard_params=False, remat_policy=remat_policy)
 
     def step(params, opt_state, tokens):
         loss, grads = grad_fn(params, tokens)

@@ -1,24 +1,15 @@
-"""Plan the demo's transformer on a mesh larger than the machine: compile only, nothing allocated.
+"""Plan builders for the demo's transformer: ``build_<size>(mesh, config) -> (step, args)``.
 
-``python -m jshard.report --plan`` (:func:`main`) and ``jshard.report.plan`` run it.
-
-[Note: planning] ``compiled.memory_analysis()`` and the compiled HLO give per-device
-memory and collectives without running anything, and ``js.fully_shard`` accepts
-``jax.ShapeDtypeStruct`` leaves. What compiling needs is devices to name: a mesh of 64
-needs 64 devices, which an ``AbstractMesh`` cannot stand in for (jax 0.10 refuses to
-lower for it without ``lowering_platforms``, and cannot compile it). Simulated CPU
-devices cost nothing until used, so when this process has too few devices the plan
-runs in a subprocess started with ``JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=n`` and hands
-its report back as JSON.
+``python -m jshard.report plan jshard.demo.plan:build_1b --devices 64`` plans the demo's
+1B model (18 blocks of width 2048, vocabulary 32768, context 1024: about 1.04e9
+parameters), sharded as the demo shards it, trained with AdamW; see [Note: plan target].
+Every argument is a ``jax.ShapeDtypeStruct``: nothing is allocated. On a mesh with a
+``"tp"`` axis the blocks are split Megatron-style over it, as ``--tensor-parallel`` does
+in the demo.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import jax
@@ -27,93 +18,91 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jshard as js
-from jshard._report.report import Report, step_report
 from jshard.demo import model as T
+from jshard.report import PlanConfig, abstract_result
+
+DEFAULT = PlanConfig()
 
 
-def _concrete(tree: Any, mesh: Any) -> Any:
-    """Abstract leaves placed on ``mesh`` (``eval_shape`` gives them abstract-mesh shardings)."""
+def abstract_on(tree: Any, mesh: Any, spec_of: Any = None) -> Any:
+    """Abstract leaves placed on ``mesh``: ``spec_of(path, leaf)`` (default: the leaf's own spec, or replicated)."""
 
-    def place(x):
+    def place(path, x):
         sharding = getattr(x, "sharding", None)
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+        spec = spec_of(path, x) if spec_of else sharding.spec if isinstance(sharding, NamedSharding) else None
         kind = getattr(sharding, "memory_kind", None)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec, memory_kind=kind))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=NamedSharding(mesh, spec or PartitionSpec(), memory_kind=kind))
 
-    return jax.tree.map(place, tree)
+    return jax.tree_util.tree_map_with_path(place, tree)
 
 
-def plan_in_process(size: str, devices: int, replicate: int, batch: int | None, mixed_precision: bool) -> Any:
-    """The plan on this process's first ``devices`` devices (see :func:`plan`)."""
-    config = T.SIZES[size]
-    mesh = js.make_mesh(replicate=replicate, devices=jax.devices()[:devices])
-    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if mixed_precision else None
-    params = T.shard_lm(T.abstract_params(config), mesh, mp)
+def standard_promotion(step: Any) -> Any:
+    """``step`` traced under JAX's standard dtype promotion, whatever the caller's setting.
+
+    Optax's Adam raises a float to an int32 power (its bias correction), which strict
+    promotion refuses; the builders' steps should plan the same in any process.
+    """
+
+    def traced(*args):
+        with jax.numpy_dtype_promotion("standard"):
+            return step(*args)
+
+    return traced
+
+
+def _tensor_parallel_spec(path: Any, _: Any) -> PartitionSpec | None:
+    keys = [k.key for k in path]
+    if keys[0] == "blocks" and keys[1] in T.BLOCK_TP_SPECS:
+        return T.BLOCK_TP_SPECS[keys[1]].get(keys[2])
+    return None
+
+
+def data_spec(mesh: Any) -> PartitionSpec:
+    """The batch split over the data-parallel axes (every axis but ``"tp"``)."""
+    return PartitionSpec(tuple(a for a in mesh.axis_names if a != "tp"))
+
+
+def data_devices(mesh: Any) -> int:
+    return mesh.size // dict(mesh.shape).get("tp", 1)
+
+
+def build_lm(size: str, mesh: Any, config: PlanConfig) -> tuple[Any, tuple]:
+    """The demo's training step on ``mesh`` for ``config`` and its abstract arguments."""
+    if size not in T.SIZES:
+        raise ValueError(f"Unknown demo model size {size!r}; choose one of {sorted(T.SIZES)}.")
+    cfg = T.SIZES[size]
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if config.mixed_precision \
+        else None
+    offload = js.CPUOffloadPolicy() if config.offload else None
+    params = abstract_on(T.abstract_params(cfg), mesh, _tensor_parallel_spec if "tp" in mesh.axis_names else None)
+    params = T.shard_lm(params, mesh, mp, offload, reshard_after_forward=config.reshard_after_forward)
     optimizer = js.shard_optimizer(optax.adamw(1e-4))
-    opt_state = _concrete(jax.eval_shape(optimizer.init, params), mesh)
-    tokens = jax.ShapeDtypeStruct(
-        (batch or devices, config.seq_len + 1), jnp.int32,
-        sharding=NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names))),
-    )
-    return step_report(T.jshard_train_step(config, optimizer), params, opt_state, tokens)
+    opt_state = abstract_result(optimizer.init, params)
+    tokens = jax.ShapeDtypeStruct((config.batch_per_device * data_devices(mesh), cfg.seq_len + 1), jnp.int32,
+                                  sharding=NamedSharding(mesh, data_spec(mesh)))
+    # "full": the demo's own per-block recompute (a custom_vjp: one re-gather per layer in
+    # backward; nothing_saveable as the step's policy would gather each layer a third time).
+    remat, policy = ("custom_vjp", None) if config.remat == "full" else ("none", config.remat_policy())
+    step = standard_promotion(T.jshard_train_step(cfg, optimizer, remat=remat, remat_policy=policy))
+    return jax.jit(step, donate_argnums=(0, 1)), (params, opt_state, tokens)
 
 
-def plan(size: str = "1b", *, devices: int = 64, replicate: int = 1, batch: int | None = None,
-         mixed_precision: bool = False) -> Any:
-    """Per-device memory and collectives of training a stacked transformer, compile only.
-
-    The model is the demo's (``jshard/demo/model.py``) (``"1b"``: 18 blocks of width
-    2048, vocabulary 32768, context 1024: about 1.04e9 parameters), sharded as the demo
-    shards it, trained with AdamW. Nothing is allocated: parameters, optimizer state and
-    batch are ``jax.ShapeDtypeStruct``. With fewer devices here than asked for, the plan
-    runs in a subprocess with that many simulated CPU devices (see [Note: planning]).
-
-    Args:
-      size: ``"tiny"``, ``"small"``, ``"medium"`` or ``"1b"``.
-      devices: devices in the mesh.
-      replicate: ``R > 1`` plans HSDP with ``R`` replicas of ``devices // R`` shards.
-      batch: global batch in sequences (default: one per device).
-      mixed_precision: bf16 parameters for compute and all-gather, fp32 reduction.
-
-    Returns:
-      A :class:`jshard.report.Report`.
-
-    Example:
-      >>> from jshard.report import plan
-      >>> report = plan("tiny", devices=16)
-      >>> report.analytic.devices, report.memory.argument == report.analytic.argument_bytes
-      (16, True)
-    """
-    if len(jax.devices()) >= devices:
-        return plan_in_process(size, devices, replicate, batch, mixed_precision)
-    cmd = [sys.executable, "-m", "jshard.report", "--plan", "--json", "--size", size, "--devices", str(devices),
-           "--replicate", str(replicate)] + (["--batch", str(batch)] if batch else [])
-    cmd += ["--mixed-precision"] if mixed_precision else []
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices)}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"Planning on {devices} simulated CPU devices failed:\n{done.stderr[-4000:]}")
-    return Report.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
+def build_tiny(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
+    """The demo's ``tiny`` transformer (2 blocks of width 64)."""
+    return build_lm("tiny", mesh, config)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m jshard.report --plan``: plan a stacked transformer on a large mesh.
+def build_small(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
+    """The demo's ``small`` transformer (4 blocks of width 128)."""
+    return build_lm("small", mesh, config)
 
-    Example:
-      >>> from jshard.report import main
-      >>> main(["--plan", "--size", "1b", "--devices", "64"])  # doctest: +SKIP
-      jshard step report: mesh {fsdp=64}, 64 devices, shard size N=64, replicate R=1
-      ...
-    """
-    parser = argparse.ArgumentParser(prog="python -m jshard.report", description=main.__doc__.splitlines()[0])
-    parser.add_argument("--plan", action="store_true", help="compile-only plan (the only mode)")
-    parser.add_argument("--size", default="1b", choices=list(T.SIZES), help="model size (default 1b)")
-    parser.add_argument("--devices", type=int, default=64)
-    parser.add_argument("--replicate", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=None, help="global batch (default: one sequence per device)")
-    parser.add_argument("--mixed-precision", action="store_true", help="bf16 params, fp32 reduce")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = parser.parse_args(argv)
-    report = plan(args.size, devices=args.devices, replicate=args.replicate, batch=args.batch,
-                  mixed_precision=args.mixed_precision)
-    print(report.to_json() if args.json else report)
+
+def build_medium(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
+    """The demo's ``medium`` transformer (6 blocks of width 256)."""
+    return build_lm("medium", mesh, config)
+
+
+def build_1b(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
+    """The demo's ``1b`` transformer (18 blocks of width 2048, vocabulary 32768, context 1024)."""
+    return build_lm("1b", mesh, config)

@@ -15,6 +15,7 @@ from jshard.flax._nnx.shard import fully_shard as fully_shard
 from jshard.flax._nnx.shard import register_fsdp_forward_method as register_fsdp_forward_method
 from jshard.flax._nnx.step import value_and_grad as value_and_grad
 from jshard.flax._nnx.whole_model import reshard as reshard
+from jshard.flax._nnx.whole_model import units as units
 from jshard.flax._nnx.whole_model import unshard as unshard
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "reshard",
     "shard_optimizer",
+    "units",
     "unshard",
     "value_and_grad",
 ]

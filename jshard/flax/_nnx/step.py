@@ -95,6 +95,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     microbatches: int = 1,
+    remat_policy: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """The FSDP step's loss and gradient for a sharded NNX module (like ``nnx.value_and_grad``).
 
@@ -114,6 +115,8 @@ def value_and_grad(
       loss_fn: the loss on one device's batch, taking the model first.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux floats are averaged over devices.
       microbatches: gradient accumulation inside the step (see :func:`jshard.value_and_grad`).
+      remat_policy: a ``jax.checkpoint`` policy for activations, combined with jshard's
+        (see :func:`jshard.value_and_grad`).
 
     Returns:
       ``grad_fn(model, batch, *args)``; use it under ``nnx.jit`` (or ``jax.jit`` with
@@ -159,7 +162,8 @@ def value_and_grad(
             new_rest = _encode_rest(nnx.state(model, nnx.Not(nnx.Param))) if keep_rest else None
             return loss, (aux, new_rest)
 
-        core = core_value_and_grad(inner, has_aux=True, unshard_params=False, microbatches=microbatches, **flags)
+        core = core_value_and_grad(inner, has_aux=True, unshard_params=False, microbatches=microbatches,
+                                   remat_policy=remat_policy, **flags)
         (loss, (aux, new_rest)), unit_grads = core(units, batch, rest, *args)
         grads = _with_values(params, param_paths, dict(zip(unit_paths, jax.tree.leaves(unit_grads), strict=True)))
         if keep_rest and jax.tree.leaves(rest):

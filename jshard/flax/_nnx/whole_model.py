@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jshard.flax._nnx.graph import sharded_modules
+from jshard.flax._nnx.graph import build_unit, sharded_modules, unit_state
 
 
 def unshard(module: Any) -> Any:
@@ -40,3 +40,22 @@ def reshard(module: Any) -> Any:
     for _, m in sharded_modules(module):
         m.reshard()
     return module
+
+
+def units(module: Any) -> Any:
+    """The model's parameters as the :class:`jshard.FSDPUnit` tree its sharded modules make.
+
+    What the core sees: for :func:`jshard.report.step_report` (``params=``) and planning
+    builders of NNX models, whose steps take ``nnx.State`` rather than units.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jshard.flax import nnx as jnnx
+      >>> tree = jnnx.units(jnnx.fully_shard(nnx.Linear(3, 2, rngs=nnx.Rngs(0))))
+      >>> type(tree).__name__, tree["kernel"].shape
+      ('FSDPUnit', (8, 2))
+    """
+    if unit_state(module) is None:
+        raise ValueError(f"jnnx.units got {type(module).__name__}, which is not fully sharded: call "
+                         "jnnx.fully_shard on its blocks, then on the root.")
+    return build_unit(module)

@@ -1,0 +1,130 @@
+"""``python -m jshard.report``: plan a step, search its out-of-memory frontier, or scale it over N."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jshard._plan.frontier import frontier, frontier_to_dict
+from jshard._plan.hardware import HARDWARE, HardwareProfile, parse_bytes, profile
+from jshard._plan.planner import plan
+from jshard._plan.scaling import scaling
+from jshard._plan.target import REMATS, PlanConfig
+
+DEMO = "jshard.demo.plan:build_{size}"
+_SIZES = ("tiny", "small", "medium", "1b")
+_CHOICE = {"both": (True, False), "true": (True,), "false": (False,)}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _target(args: argparse.Namespace) -> str:
+    if args.target and args.size:
+        raise SystemExit("Give a plan target or --size (the demo's model), not both.")
+    return args.target or DEMO.format(size=args.size or "1b")
+
+
+def _mesh_flags(parser: argparse.ArgumentParser, devices_type=int, default=64) -> None:
+    parser.add_argument("target", nargs="?", help="the builder, pkg.module:build (default: the demo's 1b model)")
+    parser.add_argument("--size", choices=_SIZES, help="plan the demo's transformer of this size instead")
+    parser.add_argument("--devices", type=devices_type, default=default)
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="size of a 'tp' mesh axis (default 1)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-per-device", type=int, default=1)
+    parser.add_argument("--no-reshard-after-forward", action="store_true")
+    parser.add_argument("--remat", choices=REMATS, default="default")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 params and all-gather, fp32 reduce")
+    parser.add_argument("--offload", action="store_true", help="state in pinned host memory")
+    parser.add_argument("--config", help=argparse.SUPPRESS)  # a PlanConfig as JSON (planning subprocesses)
+
+
+def _config(args: argparse.Namespace) -> PlanConfig:
+    if args.config:
+        return PlanConfig(**json.loads(args.config))
+    return PlanConfig(args.batch_per_device, not args.no_reshard_after_forward, args.remat, args.mixed_precision,
+                      args.offload)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m jshard.report``."""
+    top = argparse.ArgumentParser(prog="python -m jshard.report",
+                                  description="Plan a training step on a mesh of any size, compile only.")
+    sub = top.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("plan", help="per-device memory and collectives of one configuration")
+    _mesh_flags(one)
+    _config_flags(one)
+    search = sub.add_parser("frontier", help="the configurations that fit a memory budget, ranked")
+    _mesh_flags(search)
+    search.add_argument("--hbm", required=True, help="per-device budget, e.g. 80GiB")
+    search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100")
+    search.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16], help="batches per device to try")
+    search.add_argument("--remats", default=",".join(REMATS), help=f"remat policies to try, of {REMATS}")
+    search.add_argument("--reshard-after-forward", choices=sorted(_CHOICE), default="both")
+    search.add_argument("--mixed-precision", choices=sorted(_CHOICE), default="both")
+    search.add_argument("--offload", choices=sorted(_CHOICE), default="false")
+    search.add_argument("--hardware-json", help=argparse.SUPPRESS)
+    search.add_argument("--grid", help=argparse.SUPPRESS)
+    scale = sub.add_parser("scaling", help="per-device memory for several mesh sizes, with a PNG plot")
+    _mesh_flags(scale, _ints, [8, 16, 32, 64, 128, 256, 512, 1024])
+    _config_flags(scale)
+    scale.add_argument("--png", help="write the plot here")
+    return top
+
+
+def _frontier(args: argparse.Namespace):
+    hardware = HardwareProfile(**json.loads(args.hardware_json)) if args.hardware_json else profile(args.hardware)
+    if args.grid:
+        grid = json.loads(args.grid)
+    else:
+        remats = tuple(r for r in args.remats.split(",") if r)
+        bad = [r for r in remats if r not in REMATS]
+        if bad or not remats:
+            raise SystemExit(f"--remats takes policies of {REMATS} separated by commas, got {args.remats!r}.")
+        grid = {"batches": args.batches, "reshard_after_forward": _CHOICE[args.reshard_after_forward],
+                "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload]}
+    return frontier(_target(args), devices=args.devices, budget=parse_bytes(args.hbm), hardware=hardware,
+                    replicate=args.replicate, tensor_parallel=args.tensor_parallel, **grid)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command line (see ``python -m jshard.report --help``).
+
+    Example:
+      >>> from jshard.report import main
+      >>> main(["plan", "jshard.demo.plan:build_1b", "--devices", "64"])  # doctest: +SKIP
+      plan of jshard.demo.plan:build_1b (batch 1/device, raf, remat default, fp32, on device), ...
+    """
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            result = plan(_target(args), devices=args.devices, replicate=args.replicate,
+                          tensor_parallel=args.tensor_parallel, config=_config(args))
+            print(json.dumps(result.to_dict()) if args.json else result)
+        elif args.command == "frontier":
+            result = _frontier(args)
+            print(json.dumps(frontier_to_dict(result)) if args.json else result)
+        else:
+            result = scaling(_target(args), args.devices, replicate=args.replicate,
+                             tensor_parallel=args.tensor_parallel, config=_config(args))
+            if args.png:
+                result.plot(args.png)
+            print(json.dumps({"plans": [p.to_dict() for p in result.plans], "sharded": result.sharded,
+                              "constant": result.constant}) if args.json else result)
+    except ValueError as err:
+        print(f"python -m jshard.report {args.command}: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+
+

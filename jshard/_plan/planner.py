@@ -1,0 +1,215 @@
+"""Compile a builder's step on a mesh of any size, compile only, and report it per device.
+
+[Note: planning] ``compiled.memory_analysis()`` and the compiled HLO give per-device
+memory, collectives and FLOPs without running anything, and ``js.fully_shard`` accepts
+``jax.ShapeDtypeStruct`` leaves. What compiling needs is devices to name: a mesh of 256
+needs 256 devices, which an ``AbstractMesh`` cannot stand in for (jax 0.10 refuses to
+lower for it without ``lowering_platforms``, and cannot compile it). Simulated CPU
+devices cost nothing until used, so when this process has too few devices the plan
+runs in a subprocess started with ``JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=n`` and hands
+its result back as JSON. The program compiled there is XLA:CPU's; docs/planning.md says
+how far a GPU or TPU program may differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType
+
+from jshard._plan.buffers import Buffer, buffer_lines, dump_flag, largest_temporaries
+from jshard._plan.target import PlanConfig, call_build, load_build, spec_of
+from jshard._report.flops import matmul_flops
+from jshard._report.report import Report, format_report, report_compiled
+from jshard._sharding.mesh import make_mesh
+
+
+def plan_mesh(devices: int, replicate: int = 1, tensor_parallel: int = 1) -> jax.sharding.Mesh:
+    """The planning mesh on this process's first ``devices`` devices.
+
+    :func:`jshard.make_mesh`'s (``("fsdp",)``, or ``("replicate", "fsdp")`` with
+    ``replicate > 1``); with ``tensor_parallel > 1`` a trailing ``"tp"`` axis of that
+    size, every axis Auto (GSPMD's tensor parallelism, as the demo's ``--tensor-parallel``).
+    """
+    if devices < 1 or devices % (replicate * tensor_parallel) or devices > len(jax.devices()):
+        raise ValueError(f"replicate={replicate} x tensor_parallel={tensor_parallel} must divide the {devices} "
+                         f"devices of the plan (this process has {len(jax.devices())}); choose divisors of it.")
+    chosen = jax.devices()[:devices]
+    if tensor_parallel == 1:
+        return make_mesh(replicate=replicate, devices=chosen)
+    shape = {"replicate": replicate, "fsdp": devices // (replicate * tensor_parallel), "tp": tensor_parallel}
+    names = tuple(k for k, v in shape.items() if k != "replicate" or v > 1)
+    return jax.make_mesh(tuple(shape[k] for k in names), names, devices=chosen,
+                         axis_types=(AxisType.Auto,) * len(names))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One compiled configuration of a builder's step: what it needs and sends per device.
+
+    Attributes:
+      target: the builder, ``"pkg.module:build"``.
+      config: the :class:`PlanConfig` it was built with.
+      report: memory, collectives and the analytic figures (:class:`jshard.report.Report`).
+      flops: matrix-multiply FLOPs per device per step (recomputation included).
+      compile_seconds: wall time of building, lowering and compiling.
+      platform: the compiler's platform (``"cpu"`` for simulated devices).
+      temporaries: the largest buffers among the temporaries, when XLA's buffer
+        assignment could be read (plans run in a planning subprocess; see
+        [Note: temporary buffers]).
+
+    Example:
+      >>> from jshard.report import plan
+      >>> p = plan("jshard.demo.plan:build_tiny", devices=16)  # a planning process with 16 devices
+      >>> p.report.analytic.devices, p.report.memory.argument == p.report.analytic.argument_bytes
+      (16, True)
+    """
+
+    target: str
+    config: PlanConfig
+    report: Report
+    flops: float
+    compile_seconds: float
+    platform: str
+    temporaries: tuple[Buffer, ...] = ()
+
+    @property
+    def bound_bytes(self) -> float:
+        """FSDP2's peak bound without activations: the state the step holds (its arguments, the
+        outputs donated into them), one sharded gradient tree, and three gathered units (the
+        one running, the one prefetched, the full gradient of one before its reduce-scatter)."""
+        a = self.report.analytic
+        return a.argument_bytes + a.grad_bytes + 3 * a.gathered_unit_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready); :meth:`from_dict` rebuilds the plan."""
+        return {"target": self.target, "config": dataclasses.asdict(self.config), "report": self.report.to_dict(),
+                "flops": self.flops, "compile_seconds": self.compile_seconds, "platform": self.platform,
+                "temporaries": [dataclasses.asdict(b) for b in self.temporaries]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan :meth:`to_dict` gave."""
+        buffers = tuple(Buffer(**{**b, "shape": tuple(b["shape"])}) for b in data.get("temporaries", ()))
+        return cls(data["target"], PlanConfig(**data["config"]), Report.from_dict(data["report"]),
+                   float(data["flops"]), float(data["compile_seconds"]), data["platform"], buffers)
+
+    def __str__(self) -> str:
+        a, m = self.report.analytic, self.report.memory
+        psi_bytes = a.padded_params * (a.param_bytes * a.shard_size / max(a.padded_params, 1))
+        wire = self.report.collective_bytes
+        fsdp_wire = wire["all-gather"] + wire["reduce-scatter"]
+        lines = [
+            f"plan of {self.target} ({self.config.describe()}), compiled for {self.platform} in "
+            f"{self.compile_seconds:.1f} s",
+            format_report(self.report),
+            "",
+            f"FLOPs per device per step (matmuls, recomputation included): {self.flops:.4g}",
+            f"ZeRO-3 traffic: all-gather + reduce-scatter {_size(fsdp_wire)}/device/step = "
+            f"{fsdp_wire / max(psi_bytes * (a.shard_size - 1) / a.shard_size, 1):.2f} x params "
+            f"(analytic {(a.all_gather + a.reduce_scatter) / max(psi_bytes * (a.shard_size - 1) / a.shard_size, 1):.2f}"
+            " x: 3 with resharding after forward, 2 without, at equal dtypes)",
+            f"FSDP2's bound without activations (state {_size(a.argument_bytes)} + sharded gradients "
+            f"{_size(a.grad_bytes)} + 3 x the largest gathered unit {_size(3 * a.gathered_unit_bytes)}): "
+            f"{_size(self.bound_bytes)}; compiled peak {_size(m.peak)}"
+            + (", within it" if m.peak <= self.bound_bytes else
+               f", {_size(m.peak - self.bound_bytes)} above it: activations and XLA scratch"),
+        ]
+        if not m.alias and m.output > 0.1 * m.argument:
+            lines.append("note: the step donates no arguments; XLA then parks temporaries in the output buffers, "
+                         "so temp reads low: jit it with donate_argnums for a training step's real figure")
+        return "\n".join(lines + buffer_lines(self.temporaries, m.temp))
+
+
+def _size(x: float) -> str:
+    return f"{x / 2**30:.3f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.2f} MiB"
+
+
+def _resolve(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
+    if isinstance(build, str):
+        return build, load_build(build)
+    return spec_of(build), build
+
+
+def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
+    """Build, lower and compile on ``mesh`` in this process."""
+    spec, fn = _resolve(build)
+    start = time.perf_counter()
+    step, args, params = call_build(fn, mesh, config)
+    jitted = step if hasattr(step, "lower") else jax.jit(step)
+    lowered = jitted.lower(*args)
+    dump = os.environ.get(_DUMP_ENV)
+    if dump:  # only the step's compile: see [Note: temporary buffers]
+        shutil.rmtree(dump, ignore_errors=True)
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    report = report_compiled(compiled, lowered.as_text(), args, params, compiled_text=text)
+    buffers = largest_temporaries(dump, report.placements) if dump else ()
+    return Plan(spec, config, report, matmul_flops(text), time.perf_counter() - start,
+                mesh.devices.flat[0].platform, buffers)
+
+
+_DUMP_ENV = "JSHARD_PLAN_DUMP"
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
+
+
+def run_in_devices(argv: Sequence[str], devices: int) -> Any:
+    """``python -m jshard.report *argv --json`` with ``devices`` simulated CPU devices; its JSON."""
+    with tempfile.TemporaryDirectory(prefix="jshard-plan-") as dump:
+        flags = _DEVICE_COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
+               "XLA_FLAGS": f"{flags} {dump_flag(dump)}".strip(), _DUMP_ENV: dump}
+        cmd = [sys.executable, "-m", "jshard.report", *argv, "--json"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"Planning on {devices} simulated CPU devices failed ({' '.join(cmd[2:])}):\n"
+                           f"{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def config_args(config: PlanConfig) -> list[str]:
+    """The command-line flags that give ``config``."""
+    return ["--config", json.dumps(dataclasses.asdict(config))]
+
+
+def plan(build: Callable[..., Any] | str, *, devices: int = 64, replicate: int = 1, tensor_parallel: int = 1,
+         config: PlanConfig | None = None) -> Plan:
+    """Compile a step for a mesh of ``devices`` and report it per device, nothing allocated.
+
+    ``build(mesh)`` or ``build(mesh, config)`` returns ``(step, args)``: the training step
+    and its abstract arguments (see [Note: plan target]). With fewer devices here than
+    asked for, the plan runs in a subprocess with that many simulated CPU devices, which
+    imports the builder by name: pass an importable function or ``"pkg.module:build"``.
+    The demo's transformer is ``"jshard.demo.plan:build_<size>"`` (``tiny``, ``small``,
+    ``medium``, ``1b``); a Llama-3-8B shape is ``"jshard.demo.llama3:build_nnx"`` (NNX)
+    and ``"jshard.demo.llama3:build_hf"`` (Hugging Face Flax).
+
+    Args:
+      build: the builder or its name.
+      devices: devices in the mesh.
+      replicate: ``R > 1`` plans HSDP with ``R`` replicas.
+      tensor_parallel: ``T > 1`` adds a ``"tp"`` axis of size ``T`` (the builder places
+        its tensor-parallel leaves on it).
+      config: the :class:`PlanConfig` handed to the builder.
+
+    Returns:
+      A :class:`Plan`; ``print(plan)`` shows the table.
+    """
+    config = config or PlanConfig()
+    spec = spec_of(build) if not isinstance(build, str) else build
+    if len(jax.devices()) >= devices:
+        return plan_here(build, config, plan_mesh(devices, replicate, tensor_parallel))
+    argv = ["plan", spec, "--devices", str(devices), "--replicate", str(replicate),
+            "--tensor-parallel", str(tensor_parallel), *config_args(config)]
+    return Plan.from_dict(run_in_devices(argv, devices))

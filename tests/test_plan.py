@@ -1,0 +1,189 @@
+"""Planning a user's step on a mesh of any size, compile only: plans, frontier, scaling, the command line."""
+
+import json
+import pathlib
+import re
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jshard as js
+from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, parse_bytes, plan, scaling
+
+
+def _cli(*argv, timeout=300):
+    return subprocess.run([sys.executable, "-m", "jshard.report", *argv], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_plan_of_a_builder_in_a_subprocess_equals_the_plan_here():
+    """16 devices: a planning subprocess; 8: this process. Both compile the same step of the same shape."""
+    far = plan("jshard.demo.plan:build_tiny", devices=16)
+    here = plan("jshard.demo.plan:build_tiny", devices=8)
+    assert far.report.analytic.devices == 16 and here.report.analytic.devices == 8
+    for p in (far, here):
+        assert p.report.memory.argument == p.report.analytic.argument_bytes
+        assert p.report.collective_bytes["reduce-scatter"] == pytest.approx(p.report.analytic.reduce_scatter)
+        assert p.report.memory.alias > 0  # the demo's step donates its state
+    assert far.report.analytic.params == here.report.analytic.params
+    assert far.temporaries and not here.temporaries  # XLA's buffer assignment is read in planning processes
+    assert Plan.from_dict(json.loads(json.dumps(far.to_dict()))) == far
+    text = str(far)
+    assert "largest temporaries" in text and "FSDP2's bound without activations" in text
+
+
+@pytest.fixture(scope="module")
+def tiny_full_remat():
+    return plan("jshard.demo.plan:build_tiny", devices=8, config=PlanConfig(remat="full"))
+
+
+def test_matmul_flops_count_every_layer_of_a_scan(tiny_full_remat):
+    p = tiny_full_remat
+    # Forward 2·P·T per matmul weight, backward 4·P·T, recomputation 2·P·T again (remat full):
+    # at least 6·(block weights)·tokens per device, at most 8·P·T plus attention.
+    from jshard.demo import model as T
+
+    c = T.SIZES["tiny"]
+    block = c.layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff)
+    tokens = c.seq_len
+    attention = 8 * c.layers * c.seq_len**2 * c.d_model
+    assert 6 * block * tokens <= p.flops <= 8 * (block + c.vocab * c.d_model) * tokens + attention
+
+
+def test_llama3_8b_nnx_plans_on_256_devices_in_bounds():
+    """The issue's bound: under 2 minutes and 8 GiB on a 2-core machine; arguments within 1% of analytic."""
+    start = time.perf_counter()
+    p = plan("jshard.demo.llama3:build_nnx", devices=256, config=PlanConfig(mixed_precision=True))
+    seconds = time.perf_counter() - start
+    child_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    a, m = p.report.analytic, p.report.memory
+    assert a.params == 8_030_261_248 and a.devices == 256
+    assert abs(m.argument - a.argument_bytes) <= 0.01 * a.argument_bytes
+    assert seconds < 120 and child_gib < 8
+    wire = p.report.collective_bytes
+    assert wire["all-gather"] + wire["reduce-scatter"] == pytest.approx(a.all_gather + a.reduce_scatter, rel=0.01)
+
+
+@pytest.mark.slow
+def test_llama3_8b_hugging_face_plans_on_256_devices_in_bounds():
+    """FlaxLlamaForCausalLM with its code unchanged, one unit per decoder layer (measured: 70 s, 1.3 GiB)."""
+    start = time.perf_counter()
+    p = plan("jshard.demo.llama3:build_hf", devices=256, config=PlanConfig(mixed_precision=True, remat="full"))
+    seconds = time.perf_counter() - start
+    a, m = p.report.analytic, p.report.memory
+    assert a.params == 8_030_261_248
+    assert abs(m.argument - a.argument_bytes) <= 0.01 * a.argument_bytes
+    assert seconds < 120 and resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20 < 8
+
+
+# The NNX builder runs in the default run at 8B (above); at test size in the slow run.
+@pytest.mark.parametrize("target", [pytest.param("jshard.demo.llama3:build_nnx_tiny", marks=pytest.mark.slow),
+                                    "jshard.demo.llama3:build_hf_tiny"])
+def test_llama_builders_of_both_kinds_plan_here(target):
+    p = plan(target, devices=8, config=PlanConfig(mixed_precision=True, reshard_after_forward=False))
+    a = p.report.analytic
+    assert p.report.memory.argument == pytest.approx(a.argument_bytes, rel=0.01)
+    # Without resharding after forward nothing is gathered twice: all-gather = reduce-scatter / 2 (bf16 vs fp32).
+    assert p.report.collective_bytes["all-gather"] == pytest.approx(p.report.collective_bytes["reduce-scatter"] / 2,
+                                                                    rel=0.02)
+
+
+def test_frontier_ranks_what_fits_and_stops_past_it():
+    f = frontier("jshard.demo.plan:build_tiny", devices=8, budget=parse_bytes("4MiB"), hardware=HARDWARE["h100"],
+                 batches=(1, 4, 64, 128), reshard_after_forward=(True,), remats=("full",), mixed_precision=(True,))
+    # 128 is never compiled: 64 is past the frontier already.
+    assert [(r.plan.config.batch_per_device, r.fits) for r in f.rows] == [(1, True), (4, True), (64, False)]
+    ranked = f.ranked
+    assert [r.plan.config.batch_per_device for r in ranked] == [4, 1]  # more samples per step: faster per sample
+    assert all(r.plan.report.memory.peak <= f.budget for r in ranked)
+    text = str(f)
+    assert "best: batch 4/device" in text and "compute:" in text and "XLA:CPU" in text
+
+
+def test_estimate_is_compute_plus_exposed_communication(tiny_full_remat):
+    p = tiny_full_remat
+    e = estimate(p, HARDWARE["v5p"])
+    assert e.compute == pytest.approx(p.flops / HARDWARE["v5p"].fp32_flops)
+    assert e.step == pytest.approx(e.compute + e.exposed)
+    assert 0 < e.exposed <= e.communication  # at least the first unit's gather; never more than all of it
+    slow_links = estimate(p, js.report.HardwareProfile(**{**HARDWARE["v5p"].__dict__, "link_bandwidth": 1e6}))
+    assert slow_links.exposed > e.exposed and slow_links.compute == e.compute
+
+
+def test_scaling_fits_the_sharded_state_over_n(tmp_path):
+    s = scaling("jshard.demo.plan:build_tiny", (4, 8), config=PlanConfig(remat="full"))
+    args = [p.report.memory.argument for p in s.plans]
+    assert args[0] > args[1]
+    assert s.sharded > 0 and s.constant > 0
+    s.plot(str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "fit: peak =" in str(s)
+
+
+def test_plan_config_and_targets_are_checked():
+    with pytest.raises(ValueError, match="remat must be one of"):
+        PlanConfig(remat="some")
+    with pytest.raises(ValueError, match="batch_per_device must be a positive int"):
+        PlanConfig(batch_per_device=0)
+    with pytest.raises(ValueError, match="A plan target is 'pkg.module:build'"):
+        plan("jshard.demo.plan", devices=8)
+    with pytest.raises(ValueError, match="has no attribute 'build_2b'"):
+        plan("jshard.demo.plan:build_2b", devices=8)
+    with pytest.raises(ValueError, match="cannot import|Cannot import"):
+        plan("no_such_package.models:build", devices=8)
+    with pytest.raises(ValueError, match="returns \\(step, args\\)"):
+        plan(_not_a_builder, devices=8)
+    with pytest.raises(ValueError, match="which a planning process cannot import"):
+        plan(lambda mesh: None, devices=64)
+    with pytest.raises(ValueError, match="Cannot read a memory size"):
+        parse_bytes("lots")
+
+
+def _not_a_builder(mesh):
+    return jnp.ones(3)
+
+
+def test_command_line_reports_errors_without_tracebacks():
+    done = _cli("plan", "--size", "2b")
+    assert done.returncode == 2 and "invalid choice: '2b'" in done.stderr
+    assert all(size in done.stderr for size in ("tiny", "small", "medium", "1b"))
+    done = _cli("plan", "jshard.demo.plan:build_2b", "--devices", "8")
+    assert done.returncode != 0 and "has no attribute 'build_2b'" in done.stderr
+    assert "Traceback" not in done.stderr.split("python -m jshard.report plan:")[-1]
+    done = _cli("frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus")
+    assert done.returncode != 0 and "--remats takes policies" in done.stderr
+
+
+def test_command_line_searches_the_frontier():
+    """(``plan --json`` in a planning process is what every 16-device plan above runs.)"""
+    done = _cli("frontier", "--size", "tiny", "--devices", "16", "--hbm", "8MiB", "--hardware", "v6e",
+                "--batches", "2", "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true")
+    assert done.returncode == 0, done.stderr
+    assert "out-of-memory frontier on Google TPU v6e" in done.stdout and "best: batch 2/device" in done.stdout
+
+
+@pytest.mark.slow
+def test_command_line_scaling_writes_the_plot(tmp_path):
+    png = tmp_path / "scaling.png"
+    done = _cli("scaling", "--size", "tiny", "--devices", "8,16", "--remat", "full", "--png", str(png))
+    assert done.returncode == 0, done.stderr
+    assert png.exists() and "fit: peak =" in done.stdout
+
+
+def test_the_builder_example_of_docs_planning_plans(tmp_path, monkeypatch):
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    code = re.search(r"<!-- builder-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "mymodel.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with jax.numpy_dtype_promotion("standard"):  # users' default (the suite runs strict)
+        p = plan("mymodel:build", devices=8, config=PlanConfig(batch_per_device=2))
+    a, m = p.report.analytic, p.report.memory
+    assert a.params == 2 * 4096 * 16384 and m.argument == a.argument_bytes
+    # Forward 2·B·P; backward 2·B·P for the weights and 2·B·|w2| for the hidden activations
+    # (the input's gradient is not needed): 5·B·P with B = 2 rows per device.
+    assert m.alias > 0 and p.flops == 5 * 2 * a.params
