@@ -25,6 +25,8 @@ from typing import Any
 import jax
 from jax._src import xla_bridge
 
+from jshard._multiprocess.watchdog import CLUSTER_TIMEOUT_S, LAUNCHER_TIMEOUT_S, start_watchdog, timeout_from_env
+
 _USED_BEFORE = (
     "jshard.launch.initialize() must run before any JAX computation or jax.devices() call: those "
     "start a one-process backend, and JAX cannot join a multi-process job afterwards. Call it first "
@@ -140,6 +142,7 @@ def initialize(
     initialization_timeout_s: int | None = None,
     shutdown_timeout_s: int | None = None,
     exit_on_error: bool = True,
+    watchdog_timeout_s: float | None = None,
 ) -> bool:
     """Join the multi-process job this process belongs to, if any; call it before any JAX work.
 
@@ -163,6 +166,9 @@ def initialize(
       initialization_timeout_s: how long to wait for every process to connect.
       shutdown_timeout_s: how long a finished process waits for the others at exit.
       exit_on_error: an uncaught exception exits the process at once (see the Note above).
+      watchdog_timeout_s: the step watchdog's timeout ([Note: step watchdog]; loops mark
+        their steps with :func:`jshard.launch.steps`). ``None``: ``JSHARD_WATCHDOG_TIMEOUT``,
+        else 60 s under the launcher and 600 s on a cluster; ``0`` turns it off.
 
     Returns:
       Whether this process is part of a multi-process job.
@@ -187,4 +193,7 @@ def initialize(
     jax.distributed.initialize(**args)
     if exit_on_error:
         _exit_at_once_on_uncaught(jax.process_index())
+    default = LAUNCHER_TIMEOUT_S if under_launcher() else CLUSTER_TIMEOUT_S
+    timeout = timeout_from_env(default) if watchdog_timeout_s is None else (watchdog_timeout_s or None)
+    start_watchdog(timeout)
     return True

@@ -22,8 +22,11 @@ from collections.abc import Sequence
 from typing import IO
 
 from jshard._multiprocess import join as D
+from jshard._multiprocess.preemption import PREEMPTED_EXIT
+from jshard._multiprocess.watchdog import WATCHDOG_EXIT, WATCHDOG_TIMEOUT
 
-_VALUED = {"--nproc", "--devices-per-proc", "--port", "--heartbeat-timeout", "--init-timeout", "--timeout"}
+_VALUED = {"--nproc", "--devices-per-proc", "--port", "--heartbeat-timeout", "--init-timeout", "--timeout",
+           "--watchdog-timeout", "--preemption-grace"}
 _GRACE_S = 5.0
 _SETTLE_S = 0.3
 
@@ -40,8 +43,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env(i: int, nproc: int, devices: int, port: int, heartbeat_s: int, init_s: int) -> dict[str, str]:
+def _child_env(i: int, nproc: int, devices: int, port: int, heartbeat_s: int, init_s: int,
+               watchdog_s: float | None) -> dict[str, str]:
     env = dict(os.environ)
+    if watchdog_s is not None:
+        env[WATCHDOG_TIMEOUT] = str(watchdog_s)
     env.update({
         D.COORDINATOR: f"127.0.0.1:{port}",
         D.NUM_PROCESSES: str(nproc),
@@ -104,22 +110,44 @@ def _first_failure(procs: list[subprocess.Popen], raised: dict[int, tuple]) -> t
     return first, failed[first]
 
 
-def _watch(procs: list[subprocess.Popen], timeout_s: float | None, say, raised: dict[int, tuple]) -> int:
+def _watch(procs: list[subprocess.Popen], timeout_s: float | None, say, raised: dict[int, tuple],
+           terminated: dict[str, float], grace_s: float) -> int:
     start = time.monotonic()
     while True:
-        if any(p.poll() for p in procs):
+        codes = [p.poll() for p in procs]
+        if terminated and (all(c is not None for c in codes) or time.monotonic() > terminated["at"] + grace_s):
+            return _after_sigterm(procs, codes, say, time.monotonic() - terminated["at"], grace_s)
+        if not terminated and any(c not in (None, 0, PREEMPTED_EXIT) for c in codes):
             i, rc = _first_failure(procs, raised)
+            if rc == WATCHDOG_EXIT:
+                say(f"the step watchdog stopped the job (exit {WATCHDOG_EXIT}; its diagnosis is above) after "
+                    f"{time.monotonic() - start:.1f} s.")
+                return WATCHDOG_EXIT
             cause = f" (uncaught {raised[i][1]}, reported first)" if i in raised else ""
             others = sum(q.poll() is None for q in procs)
             say(f"process {i} failed first{cause}: exit code {rc} after {time.monotonic() - start:.1f} s; "
                 f"terminating the other {others} running process(es).")
             return _exit_code(rc)
-        if all(p.poll() == 0 for p in procs):
-            return 0
+        if all(c is not None for c in codes):
+            return PREEMPTED_EXIT if PREEMPTED_EXIT in codes else 0
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             say(f"the job ran past --timeout {timeout_s:g} s; terminating every process.")
             return 124
         time.sleep(0.05)
+
+
+def _after_sigterm(procs: list[subprocess.Popen], codes: list, say, waited: float, grace_s: float) -> int:
+    """The launcher got SIGTERM and forwarded it: the job's code once every process stopped (or the grace ran out)."""
+    if any(c is None for c in codes):
+        say(f"SIGTERM: {sum(c is None for c in codes)} process(es) still running after the {grace_s:g} s grace; "
+            "killing them.")
+        return 128 + signal.SIGTERM
+    if all(c == PREEMPTED_EXIT for c in codes):
+        say(f"SIGTERM: every process saved and stopped (exit {PREEMPTED_EXIT}) {waited:.1f} s after it; "
+            "run the same command to resume.")
+        return PREEMPTED_EXIT
+    say(f"SIGTERM: processes stopped with codes {[_exit_code(c) for c in codes]}.")
+    return next((_exit_code(c) for c in codes if c), 0)
 
 
 def launch(
@@ -133,6 +161,8 @@ def launch(
     timeout_s: float | None = None,
     auto_init: bool = True,
     out: IO[str] | None = None,
+    watchdog_timeout_s: float | None = None,
+    preemption_grace_s: float = 60.0,
 ) -> int:
     """Start ``nproc`` local processes running ``target`` and wait for them.
 
@@ -148,10 +178,15 @@ def launch(
       auto_init: call :func:`initialize` before running ``target``; with ``False`` the
         script must call it first thing.
       out: where prefixed output goes (default: ``sys.stdout``).
+      watchdog_timeout_s: the step watchdog's timeout in every process
+        (``JSHARD_WATCHDOG_TIMEOUT``; default 60 s, ``0`` off; [Note: step watchdog]).
+      preemption_grace_s: on SIGTERM the launcher forwards it to every process and
+        waits this long for them to save and stop ([Note: preemption]), then kills them.
 
     Returns:
       0 if every process succeeded, else the failing process's exit code
-      (``128 + signal`` when it was killed by a signal), or 124 on timeout.
+      (``128 + signal`` when it was killed by a signal), 124 on timeout, 70 when the
+      watchdog stopped the job, 75 when every process saved and stopped after SIGTERM.
 
     Example:
       >>> from jshard.launch import launch
@@ -174,16 +209,18 @@ def launch(
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     raised: dict[int, tuple] = {}
-    restore = _raise_on_sigterm()
+    terminated: dict[str, float] = {}
+    restore = _forward_sigterm(procs, terminated, say)
     try:
         for i in range(nproc):
-            env = _child_env(i, nproc, devices_per_proc, port, heartbeat_timeout_s, init_timeout_s)
+            env = _child_env(i, nproc, devices_per_proc, port, heartbeat_timeout_s, init_timeout_s,
+                             watchdog_timeout_s)
             p = subprocess.Popen([*prefix, *target], env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
             procs.append(p)
             pumps.append(threading.Thread(target=_pump, args=(p.stdout, i, out, lock, raised), daemon=True))
             pumps[-1].start()
-        return _watch(procs, timeout_s, say, raised)
+        return _watch(procs, timeout_s, say, raised, terminated, preemption_grace_s)
     except KeyboardInterrupt:
         say("interrupted; terminating every process.")
         return 130
@@ -194,13 +231,16 @@ def launch(
         restore()
 
 
-def _raise_on_sigterm():
-    """Make SIGTERM to the launcher stop its processes too (as Ctrl-C does); returns the undo."""
+def _forward_sigterm(procs: list[subprocess.Popen], terminated: dict[str, float], say):
+    """SIGTERM to the launcher goes to every process, which may save before stopping; returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        if not terminated:
+            terminated["at"] = time.monotonic()
+            say("SIGTERM: forwarding it to every process (they may save a checkpoint and stop).")
+            _stop(procs, signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, handler)
     return lambda: signal.signal(signal.SIGTERM, previous)
@@ -233,6 +273,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-timeout", type=int, default=120,
                         help="seconds to wait for every process to connect (default 120)")
     parser.add_argument("--timeout", type=float, default=None, help="terminate the job after this many seconds")
+    parser.add_argument("--watchdog-timeout", type=float, default=None,
+                        help="seconds a process may stay behind the others before the job stops (default 60; 0: off)")
+    parser.add_argument("--preemption-grace", type=float, default=60.0,
+                        help="after SIGTERM, seconds the processes get to save and stop (default 60)")
     parser.add_argument("--no-auto-init", action="store_true",
                         help="do not call jshard.launch.initialize() before the script (it must call it)")
     return parser
@@ -254,5 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return launch(
         target, nproc=args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
         heartbeat_timeout_s=args.heartbeat_timeout, init_timeout_s=args.init_timeout,
-        timeout_s=args.timeout, auto_init=not args.no_auto_init,
+        timeout_s=args.timeout, auto_init=not args.no_auto_init, watchdog_timeout_s=args.watchdog_timeout,
+        preemption_grace_s=args.preemption_grace,
     )

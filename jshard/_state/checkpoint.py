@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jshard._multiprocess.preemption import reached_preemption
 from jshard._sharding.nested import KeyCollision, get_in, nest
 from jshard._state.stored_leaves import StoredLeaf, stored_leaves
 
@@ -162,6 +163,19 @@ class CheckpointManager:
             state=ocp.args.PyTreeRestore(restore_args=restore_args)))["state"]
         leaves = [_as_like(r.leaf, get_in(out, _keys(r))) for r in recs]
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether to save and stop at ``step``: true on every process at the same step once any
+        process (or the launcher) got SIGTERM ([Note: preemption]; Orbax's method of this name).
+
+        The loop saves ``step``, waits, and exits with ``jshard.launch.PREEMPTED_EXIT``::
+
+            if ckpt.reached_preemption(step):
+                ckpt.save(step, state)
+                ckpt.wait_until_finished()
+                sys.exit(PREEMPTED_EXIT)
+        """
+        return reached_preemption(step)
 
     def latest_step(self) -> int | None:
         """The newest finished step (``None`` when there is none)."""

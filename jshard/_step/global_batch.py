@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._multiprocess.agreement import same_on_all_processes
+from jshard._multiprocess.watchdog import note_batch
 from jshard._sharding.mesh import MeshAxes, make_mesh, resolve_axes
 from jshard._sharding.policies import DataParallelMeshDims
 
@@ -71,6 +72,7 @@ def global_batch(local_batch: Any, mesh: Mesh | None = None, dp_mesh_dims: DataP
     sharding = NamedSharding(mesh, PartitionSpec(axes.data_parallel))
     leaves, treedef = jax.tree.flatten_with_path(local_batch)
     shapes = {jax.tree_util.keystr(p): f"shape {tuple(np.shape(x))} {np.result_type(x)}" for p, x in leaves}
+    note_batch()  # the step watchdog: this process has its data for the step
     same_on_all_processes("global_batch", {"tree": {"structure": str(treedef)}, "batch leaf": shapes}, _FIX)
     blocks = _local_blocks(sharding, axes)
     for path, x in leaves:
