@@ -73,6 +73,8 @@ def test_demo_runs_without_its_extras(tmp_path, monkeypatch):
         "memory plot skipped: matplotlib is not installed (pip install 'jshard[demo]' installs it)")
 
 
+# FSDP x TP training itself is checked in the default run by tests/test_tensor_parallel.py (parity).
+@pytest.mark.slow
 def test_tensor_parallel_flag_trains_on_a_2d_mesh(tmp_path, capsys):
     with jax.numpy_dtype_promotion("standard"):
         result = demo.main(["--steps", "3", "--size", "tiny", "--tensor-parallel", "2", "--out-dir", str(tmp_path),

@@ -115,6 +115,7 @@ def test_estimate_is_compute_plus_exposed_communication(tiny_full_remat):
     assert slow_links.exposed > e.exposed and slow_links.compute == e.compute
 
 
+@pytest.mark.slow  # scaling() itself runs in its doctest (default run); this adds the plot and the text
 def test_scaling_fits_the_sharded_state_over_n(tmp_path):
     s = scaling("jshard.demo.plan:build_tiny", (4, 8), config=PlanConfig(remat="full"))
     args = [p.report.memory.argument for p in s.plans]

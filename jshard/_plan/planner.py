@@ -71,9 +71,9 @@ class Plan:
 
     Example:
       >>> from jshard.report import plan
-      >>> p = plan("jshard.demo.plan:build_tiny", devices=16)  # a planning process with 16 devices
+      >>> p = plan("jshard.demo.plan:build_tiny", devices=8)
       >>> p.report.analytic.devices, p.report.memory.argument == p.report.analytic.argument_bytes
-      (16, True)
+      (8, True)
     """
 
     target: str
