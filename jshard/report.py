@@ -3,7 +3,7 @@
 :func:`step_report` compiles a step and returns a :class:`Report`. :func:`plan` compiles a
 user's step (a builder ``build(mesh, config) -> (step, args)``) for a mesh larger than
 the machine, compile only; :func:`frontier` searches the configurations that fit a
-memory budget and ranks them by :func:`estimate` on a :data:`HARDWARE` profile;
+memory budget and ranks them by :func:`estimate` on a ``HARDWARE`` profile;
 :func:`scaling` fits per-device memory against the mesh size. ``python -m jshard.report
 plan|frontier|scaling`` runs them from the command line (docs/planning.md).
 """

@@ -201,7 +201,7 @@ def test_bad_input_leaves_original_untouched():
 
 
 def test_default_placement_avoids_a_dim_that_would_be_mostly_padding():
-    """API.md's rule: dim 0 unless more than half of the devices would hold only padding there
+    """docs/design.md's placement rule: dim 0 unless more than half of the devices would hold only padding there
     while another dim is at least N; then the largest such dim (the first of equal ones)."""
     params = {
         "conv": jnp.ones((3, 3, 16, 32)),  # Flax (H, W, in, out): not split on H (5/8 of it would be zeros)

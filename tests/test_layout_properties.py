@@ -25,7 +25,7 @@ def cases(draw):
 
 
 def _default_dim(shape, n):
-    """API.md's rule, independently: dim 0 unless more than half of the n devices would hold only
+    """docs/design.md's placement rule, independently: dim 0 unless more than half of the n devices would hold only
     padding there while another dim is at least n; then the largest such dim, the first of equal ones."""
     wide = [d for d in range(1, len(shape)) if shape[d] >= n]
     if 2 * shape[0] >= n or not wide:

@@ -88,7 +88,7 @@ def test_hsdp_all_reduces_shards_over_replicas():
 @pytest.mark.parametrize("raf,count", [(True, 2), (False, 1)])
 def test_unrolled_units_gather_twice_when_resharding_in_the_lowered_program(raf, count):
     # XLA:CPU's CSE then merges the re-gather of an unrolled unit with its forward gather
-    # (DESIGN.md); stacked units under js.scan keep both (tests above).
+    # (docs/design.md); stacked units under js.scan keep both (tests above).
     params = {"w": jnp.ones((W, W)) * 0.1}
     root = js.fully_shard({"block": js.fully_shard(params, policy=js.FullyShardPolicy(reshard_after_forward=raf))})
 

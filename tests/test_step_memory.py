@@ -1,4 +1,4 @@
-"""Per-device memory of the step from ``memory_analysis()`` against DESIGN.md's bound.
+"""Per-device memory of the step from ``memory_analysis()`` against docs/design.md's bound.
 
 An 8-layer stacked MLP, 512 wide, fp32, batch 256 on 8 devices, compiled on abstract
 inputs. One layer is ``W*W*4`` bytes = 1 MiB. The bound for ``reshard_after_forward=True``

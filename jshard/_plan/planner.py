@@ -86,9 +86,12 @@ class Plan:
 
     @property
     def bound_bytes(self) -> float:
-        """FSDP2's peak bound without activations: the state the step holds (its arguments, the
-        outputs donated into them), one sharded gradient tree, and three gathered units (the
-        one running, the one prefetched, the full gradient of one before its reduce-scatter)."""
+        """The peak bound of FSDP2 without activations, in bytes.
+
+        The state the step holds (its arguments, the outputs donated into them), one sharded
+        gradient tree, and three gathered units (the one running, the one prefetched, the full
+        gradient of one before its reduce-scatter).
+        """
         a = self.report.analytic
         return a.argument_bytes + a.grad_bytes + 3 * a.gathered_unit_bytes
 

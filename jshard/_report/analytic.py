@@ -1,4 +1,4 @@
-"""The analytic figures of ``DESIGN.md`` "Performance model", from units' static facts.
+"""The analytic figures of docs/design.md "Performance model", from units' static facts.
 
 Per unit leaf: ``P`` padded elements, ``N`` devices on the shard axes, ``R`` on the
 replicate axes, ``b_s`` / ``b_c`` / ``b_r`` bytes per element of the shard dtype,

@@ -5,7 +5,7 @@
 allocated) and returns a :class:`Report`: per-device bytes from
 ``compiled.memory_analysis()`` (device and host), every collective of the compiled
 program (kind, dtype as asked for in the lowered program, bytes, replica groups, loop
-trip counts), and the figures of ``DESIGN.md`` "Performance model" with the ratio
+trip counts), and the figures of docs/design.md "Performance model" with the ratio
 measured / analytic. ``print(report)`` shows a table; ``report.to_dict()`` /
 ``report.to_json()`` give the same to a program. ``jshard.report.plan`` does this for a
 user's step on a mesh larger than the machine (``jshard/_plan/``, docs/planning.md).

@@ -4,7 +4,7 @@ Builds on :mod:`jshard._report.hlo`: each collective of the compiled HLO gets th
 times it runs per step (the product of the known trip counts of the ``while`` loops
 around it), its group size, its dtype as *asked for* (the lowered StableHLO's, since
 XLA:CPU upcasts bf16 collectives when compiling) and the bytes each device sends per
-execution under the ring model of ``DESIGN.md`` "Performance model".
+execution under the ring model of docs/design.md "Performance model".
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def group_axes(replica_groups: str, mesh_shape: dict[str, int]) -> tuple[str, ..
 
 
 def wire_bytes(kind: str, result_bytes: int, n: int) -> float:
-    """Bytes one device sends for one collective under the ring model of ``DESIGN.md``.
+    """Bytes one device sends for one collective under the ring model of docs/design.md.
 
     Example:
       >>> from jshard._report.step_collectives import wire_bytes

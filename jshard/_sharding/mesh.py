@@ -49,7 +49,7 @@ class MeshAxes:
 
     ``model`` are the other axes with their sizes (tensor parallel and friends, "model
     axes"): leaves may arrive sharded over them, and the step leaves them to GSPMD or
-    explicit sharding (see API.md "Other mesh axes").
+    explicit sharding (see docs/parallelism.md).
     """
 
     shard: tuple[str, ...]
@@ -88,7 +88,7 @@ def _describe(mesh: Mesh) -> str:
 
 
 def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
-    """Which axes of ``mesh`` shard and which replicate (see ``API.md`` "Mesh")."""
+    """Which axes of ``mesh`` shard and which replicate (see docs/design.md "Semantics")."""
     names = tuple(mesh.axis_names)
     if dims is None:
         if "fsdp" in names:

@@ -1,7 +1,7 @@
 """User-facing policies: frozen, hashable dataclasses validated on construction.
 
 Each mirrors the PyTorch FSDP2 policy of the same name (``torch.distributed.fsdp``);
-see ``DESIGN.md`` for the table of correspondences.
+see docs/fsdp2.md for the table of correspondences.
 """
 
 from __future__ import annotations

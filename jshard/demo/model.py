@@ -206,7 +206,7 @@ BLOCK_TP_SPECS = {
 
 def place_tensor_parallel(params: Any, mesh: Any) -> Any:
     """``params`` placed on ``mesh`` with the blocks split over its ``"tp"`` axis (Megatron-style),
-    the rest replicated; ``fully_shard`` then adds the FSDP split (API.md "Other mesh axes")."""
+    the rest replicated; ``fully_shard`` then adds the FSDP split (docs/parallelism.md)."""
     replicated = PartitionSpec()
 
     def place(path, x):

@@ -269,7 +269,7 @@ class FSDPModule(nnx.Module):
 
     @property
     def fsdp_state(self):
-        """This module's static FSDP facts (read-only): unit meta, step controls, prefetch lists.
+        """The static FSDP facts of this module, read-only (unit meta, step controls, prefetch lists).
 
         Example:
           >>> from flax import nnx
