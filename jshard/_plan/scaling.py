@@ -11,6 +11,7 @@ floor no mesh size removes (tensor parallelism, remat and smaller batches lower 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,8 @@ class Scaling:
 
     @property
     def devices(self) -> list[int]:
-        return [p.report.analytic.devices for p in self.plans]
+        """The mesh size of each plan (all axes: with tensor parallelism, data-parallel x tp)."""
+        return [math.prod(p.report.mesh.values()) for p in self.plans]
 
     def __str__(self) -> str:
         mib = 2.0**20
@@ -84,7 +86,7 @@ def scaling(build: Callable[..., Any] | str, devices: Sequence[int] = (8, 16, 32
     """
     plans = tuple(plan(build, devices=n, replicate=replicate, tensor_parallel=tensor_parallel, config=config)
                   for n in devices)
-    n = np.array([p.report.analytic.devices for p in plans], float)
+    n = np.array([math.prod(p.report.mesh.values()) for p in plans], float)
     peak = np.array([p.report.memory.peak for p in plans], float)
     sharded, constant = np.linalg.lstsq(np.stack([1 / n, np.ones_like(n)], 1), peak, rcond=None)[0]
     return Scaling(plans, float(sharded), float(constant))
