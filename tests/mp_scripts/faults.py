@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from mp_model import batches, init_params, local_rows, loss_fn, shard  # noqa: E402
+from mp_model import OPTIMIZER, batches, init_params, local_rows, loss_fn, shard, train_step  # noqa: E402
 
 import jshard as js  # noqa: E402
 from jshard.batch import global_batch  # noqa: E402
@@ -30,14 +30,6 @@ from jshard.launch import PREEMPTED_EXIT, steps  # noqa: E402
 me, n = jax.process_index(), jax.process_count()
 mesh = js.make_mesh()
 mode = sys.argv[1]
-tx = js.shard_optimizer(optax.sgd(0.1, momentum=0.9))
-
-
-@jax.jit
-def step_fn(params, opt_state, batch):
-    loss, grads = js.value_and_grad(loss_fn, unshard_params=False)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
 
 
 def load_batch(data, k):
@@ -51,10 +43,10 @@ if mode == "hang":
     total = int(sys.argv[2])
     data = batches(total)
     params = shard(init_params(), mesh)
-    opt_state = tx.init(params)
+    opt_state = OPTIMIZER.init(params)
     for k in steps(range(total)):
         batch = load_batch(data, k)
-        params, opt_state, loss = step_fn(params, opt_state, batch)
+        params, opt_state, loss = train_step(params, opt_state, batch)
         print(f"step {k} loss {float(loss):.6f}", flush=True)
     print("finished", flush=True)
 
@@ -62,7 +54,7 @@ elif mode == "preempt":
     out, total = sys.argv[2], int(sys.argv[3])
     data = batches(total)
     params = shard(init_params(), mesh)
-    state = {"params": params, "opt_state": tx.init(params)}
+    state = {"params": params, "opt_state": OPTIMIZER.init(params)}
     ckpt = CheckpointManager(os.path.join(out, "ckpt"))
     start = 0
     if ckpt.latest_step() is not None:
@@ -75,7 +67,7 @@ elif mode == "preempt":
             ckpt.wait_until_finished()
             print(f"preempted: saved step {k}", flush=True)
             sys.exit(PREEMPTED_EXIT)
-        params, opt_state, loss = step_fn(state["params"], state["opt_state"], load_batch(data, k))
+        params, opt_state, loss = train_step(state["params"], state["opt_state"], load_batch(data, k))
         state = {"params": params, "opt_state": opt_state}
         print(f"step {k} loss {float(loss):.6f}", flush=True)
         time.sleep(0.3)
