@@ -139,6 +139,8 @@ def test_plan_config_and_targets_are_checked():
         plan("no_such_package.models:build", devices=8)
     with pytest.raises(ValueError, match="returns \\(step, args\\)"):
         plan(_not_a_builder, devices=8)
+    with pytest.raises(ValueError, match="returns \\(step, args\\)"):  # a lambda plans here (it is called)
+        plan(lambda mesh: _not_a_builder(mesh), devices=8)
     with pytest.raises(ValueError, match="which a planning process cannot import"):
         plan(lambda mesh: None, devices=64)
     with pytest.raises(ValueError, match="Cannot read a memory size"):

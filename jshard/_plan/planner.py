@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -142,7 +143,10 @@ def _size(x: float) -> str:
 def _resolve(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
     if isinstance(build, str):
         return build, load_build(build)
-    return spec_of(build), build
+    try:
+        return spec_of(build), build
+    except ValueError:  # planned here: it need not be importable
+        return getattr(build, "__qualname__", repr(build)), build
 
 
 def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
@@ -154,7 +158,8 @@ def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sha
     lowered = jitted.lower(*args)
     dump = os.environ.get(_DUMP_ENV)
     if dump:  # only the step's compile: see [Note: temporary buffers]
-        shutil.rmtree(dump, ignore_errors=True)
+        for old in pathlib.Path(dump).glob("*"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     compiled = lowered.compile()
     text = compiled.as_text()
     report = report_compiled(compiled, lowered.as_text(), args, params, compiled_text=text)
@@ -169,7 +174,7 @@ _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 def run_in_devices(argv: Sequence[str], devices: int) -> Any:
     """``python -m jshard.report *argv --json`` with ``devices`` simulated CPU devices; its JSON."""
-    with tempfile.TemporaryDirectory(prefix="jshard-plan-") as dump:
+    with tempfile.TemporaryDirectory(prefix="jshard-plan-", ignore_cleanup_errors=True) as dump:
         flags = _DEVICE_COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
                "XLA_FLAGS": f"{flags} {dump_flag(dump)}".strip(), _DUMP_ENV: dump}
@@ -210,9 +215,8 @@ def plan(build: Callable[..., Any] | str, *, devices: int = 64, replicate: int =
       A :class:`Plan`; ``print(plan)`` shows the table.
     """
     config = config or PlanConfig()
-    spec = spec_of(build) if not isinstance(build, str) else build
     if len(jax.devices()) >= devices:
         return plan_here(build, config, plan_mesh(devices, replicate, tensor_parallel))
-    argv = ["plan", spec, "--devices", str(devices), "--replicate", str(replicate),
+    argv = ["plan", spec_of(build), "--devices", str(devices), "--replicate", str(replicate),
             "--tensor-parallel", str(tensor_parallel), *config_args(config)]
     return Plan.from_dict(run_in_devices(argv, devices))
