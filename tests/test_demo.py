@@ -13,6 +13,7 @@ import jshard.demo as demo
 
 
 def test_demo_runs_end_to_end(tmp_path):
+    """The README's demo command (<!-- demo-command -->), as a short run."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     done = subprocess.run(
         [sys.executable, "-m", "jshard.demo", "--steps", "3", "--size", "tiny", "--sample-chars", "40"],

@@ -1,10 +1,11 @@
 """Every Python block of README.md and docs/ runs in the tests.
 
-A block preceded by a marker comment (``<!-- name -->``) is run by the test that reads that
-marker (it gives the block what it needs: a Hugging Face model, a mesh); the blocks of the
-pages listed in ``PAGES`` run here, in order, in one namespace per page; a block that needs
-several processes is marked ``<!-- cpu-variant: path -->``, naming the script that runs the
-same code on CPU processes in the tests. Nothing else is allowed.
+A block preceded by a marker comment (``<!-- name -->``) is run by the test that names that
+marker (it gives the block what it needs: a Hugging Face model, a mesh, a subprocess); the
+Python blocks of the pages listed in ``PAGES`` run here, in order, in one namespace per page;
+a block that needs several processes or a cluster is marked ``<!-- cpu-variant: path -->``,
+naming the script the tests run as local CPU processes instead. ``text`` blocks are output.
+Nothing else is allowed.
 """
 
 import contextlib
@@ -22,12 +23,26 @@ PAGES = {  # page -> the lines its blocks print
     "docs/fsdp2.md": ["(16, 16)", "(None, 'fsdp') pinned_host", "True", "(1, 4)", "(7, 3)", "210.0"],
     "docs/flax.md": ["True", "True", "True"],
 }
-_BLOCK = re.compile(r"(?:<!-- ([^>]*?) -->\s*)?^```python\n(.*?)^```", re.S | re.M)
+_MARKER = re.compile(r"^<!-- (.*?) -->$")
+
+
+def fenced_blocks(page: str) -> list[tuple[str | None, str, str]]:
+    """``(marker or None, language, code)`` for each fenced block of the page."""
+    blocks, lines, i = [], (REPO / page).read_text().splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            j = next(k for k in range(i + 1, len(lines)) if lines[k].startswith("```"))
+            before = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+            marker = _MARKER.match(before)
+            blocks.append((marker.group(1) if marker else None, lines[i][3:].strip(), "\n".join(lines[i + 1:j]) + "\n"))
+            i = j
+        i += 1
+    return blocks
 
 
 def python_blocks(page: str) -> list[tuple[str | None, str]]:
     """``(marker or None, code)`` for each Python block of the page."""
-    return [(m.group(1), m.group(2)) for m in _BLOCK.finditer((REPO / page).read_text())]
+    return [(marker, code) for marker, lang, code in fenced_blocks(page) if lang == "python"]
 
 
 def _tests_text() -> str:
@@ -45,13 +60,16 @@ def test_every_python_block_of_the_page_runs(page):
     assert [line.strip() for line in out.getvalue().splitlines()] == PAGES[page]
 
 
-def test_every_python_block_is_run_by_a_test():
+def test_every_code_block_is_run_by_a_test():
+    """Python and shell blocks alike (``text`` blocks are output, shown, not run)."""
     tests = _tests_text()
     unrun = []
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         page = str(path.relative_to(REPO))
-        for marker, block in python_blocks(page):
-            if marker is None and page in PAGES:
+        for marker, lang, block in fenced_blocks(page):
+            if lang not in ("python", "bash", "sh", ""):
+                continue
+            if marker is None and lang == "python" and page in PAGES:
                 continue
             if marker and marker.startswith("cpu-variant: "):
                 script = marker.split(": ", 1)[1]
@@ -59,7 +77,7 @@ def test_every_python_block_is_run_by_a_test():
                     continue
             elif marker and f"<!-- {marker} -->" in tests:
                 continue
-            unrun.append(f"{page}: {block.splitlines()[0]}")
+            unrun.append(f"{page}: {block.splitlines()[0] if block.strip() else '(empty)'}")
     assert unrun == [], "give each block a marker read by a test, or list its page in PAGES"
 
 

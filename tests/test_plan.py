@@ -163,7 +163,8 @@ def test_command_line_reports_errors_without_tracebacks():
 
 
 def test_command_line_searches_the_frontier():
-    """(``plan --json`` in a planning process is what every 16-device plan above runs.)"""
+    """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier`` here,
+    ``plan --json`` in every 16-device plan above (a planning process runs it), ``scaling`` in the slow run."""
     done = _cli("frontier", "--size", "tiny", "--devices", "16", "--hbm", "8MiB", "--hardware", "v6e",
                 "--batches", "2", "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true")
     assert done.returncode == 0, done.stderr
