@@ -31,7 +31,7 @@ class Scaling:
 
     @property
     def devices(self) -> list[int]:
-        """The mesh size of each plan (all axes: with tensor parallelism, data-parallel x tp)."""
+        """Mesh sizes, one per plan, counting every axis (with tensor parallelism, data-parallel x tp)."""
         return [math.prod(p.report.mesh.values()) for p in self.plans]
 
     def __str__(self) -> str:
