@@ -35,7 +35,8 @@ def test_the_wheel_and_sdist_build_and_the_wheel_installs_and_imports(tmp_path):
     env = tmp_path / "env"  # its dependencies come from this interpreter's site-packages: no download
     _run([sys.executable, "-m", "venv", "--system-site-packages", env])
     python = env / "bin" / "python"
-    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel])
+    # --ignore-installed: an installed jshard outside (CI installs the checkout) would satisfy pip otherwise
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel])
     probe = ("import jshard, jshard.demo, pathlib; "
              "print(jshard.__version__, pathlib.Path(jshard.__file__).resolve(), len(jshard.demo.load_text()))")
     got_version, where, characters = _run([python, "-c", probe], cwd=tmp_path).split()
