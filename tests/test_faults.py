@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jshard._multiprocess import join
 from jshard.launch import PREEMPTED_EXIT, WATCHDOG_EXIT, free_port
@@ -84,6 +85,7 @@ def test_watchdog_names_the_hung_process_under_the_launcher(tmp_path):
     assert "step 2 loss" in text and "finished" not in text
 
 
+@pytest.mark.slow  # the launcher case above is the same watchdog; this one joins from the environment
 def test_watchdog_names_the_hung_process_without_the_launcher(tmp_path):
     env = {join.COORDINATOR: f"127.0.0.1:{free_port()}", join.NUM_PROCESSES: "2", join.DEVICES_PER_PROCESS: "4",
            "JSHARD_WATCHDOG_TIMEOUT": str(WATCHDOG_S)}
@@ -100,6 +102,22 @@ def test_watchdog_names_the_hung_process_without_the_launcher(tmp_path):
     assert codes == [WATCHDOG_EXIT, WATCHDOG_EXIT], [log.read_text() for log in logs]
     for log in logs:
         _check_diagnosis(log.read_text())
+
+
+@pytest.mark.slow  # the same watchdog as above, told only by js.global_batch
+def test_watchdog_names_the_hung_process_of_a_loop_that_marks_no_steps(tmp_path):
+    log = tmp_path / "launch.log"
+    p = _popen(_launcher("--watchdog-timeout", str(WATCHDOG_S), FAULTS, "hang", "6", "plain"), log)
+    try:
+        (rc,), seconds = _stall_to_exit([p], [log])
+    finally:
+        _kill(p)
+    text = log.read_text()
+    assert rc == WATCHDOG_EXIT and seconds < WATCHDOG_S + 15, text
+    assert "watchdog: process 1 is behind" in text
+    assert "process 1: no step marked (jshard.launch.steps); 3 global batches built" in text
+    assert "process 0: no step marked (jshard.launch.steps); 4 global batches built" in text
+    assert re.search(r"in load_batch\n(\[\d\] )?\s+time\.sleep\(1000\)", text), text
 
 
 def _run(tmp: Path, out: Path, steps: int, sigterm_after: str | None = None) -> tuple[int, str]:

@@ -10,7 +10,8 @@ reads all of them once a second. A process is *behind* when another one has got
 further (entered a later step, built the batch it is still loading, or left the step it
 is still in) and it has not caught up within the timeout, counted from when this process first saw the other get there:
 local clocks only, so hosts' clocks need not agree. The timeout is armed once every
-process has entered its second step, so the first step's compilation never trips it.
+process has entered its second step (or built its second global batch, for loops that do
+not use :func:`steps`), so the first step's compilation never trips it.
 Then every process prints one diagnosis (who is behind, each process's last entered
 and left step, and the lagging process's Python stack, which it publishes itself: its
 watchdog thread runs while its main thread sleeps or waits) and exits with
@@ -106,9 +107,9 @@ def _rank(record: dict[str, Any]) -> tuple[int, int, bool]:
 
 
 def _where(pid: int, record: dict[str, Any]) -> str:
-    if record["entered"] < 0:
-        return f"process {pid}: has entered no step yet"
     built = f"; {record['batches']} global batches built"
+    if record["entered"] < 0:
+        return f"process {pid}: no step marked (jshard.launch.steps){built}"
     if record["left"] == record["entered"]:
         doing = f"loading the data of step {record['left'] + 1}" if record["loading"] else "between steps"
         return f"process {pid}: last entered step {record['entered']}, left it ({doing}){built}"
@@ -151,8 +152,8 @@ def _watch(timeout_s: float) -> None:
         ranks = {pid: _rank(r) for pid, r in records.items()}
         for rank in set(ranks.values()):
             first_seen.setdefault(rank, now)
-        if min(r["count"] for r in records.values()) < 2:
-            continue  # not armed: some process has not entered its second step (compilation)
+        if min(max(r["count"], r["batches"]) for r in records.values()) < 2:
+            continue  # not armed: some process has not reached its second step or batch (compilation)
         lowest = min(ranks.values())
         ahead = [first_seen[r] for r in ranks.values() if r > lowest]
         if not ahead or now - min(ahead) <= timeout_s:

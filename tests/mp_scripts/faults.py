@@ -1,7 +1,8 @@
 """Faults in a 2-process job: a process that hangs in its data loading, preemption, a non-finite gradient.
 
 Usage (joins the job itself: runs with or without jshard.launch):
-  faults.py hang STEPS           process 1 sleeps in its data loading at step 3
+  faults.py hang STEPS [plain]   process 1 sleeps in its data loading at step 3 (plain: a loop that does
+                                 not mark its steps; only js.global_batch tells the watchdog)
   faults.py preempt OUT STEPS    train with a CheckpointManager in OUT; resume from its latest step;
                                  on SIGTERM save at the agreed step and exit PREEMPTED_EXIT; at the
                                  end process 0 writes OUT/final.npz
@@ -44,7 +45,7 @@ if mode == "hang":
     data = batches(total)
     params = shard(init_params(), mesh)
     opt_state = OPTIMIZER.init(params)
-    for k in steps(range(total)):
+    for k in (range(total) if sys.argv[3:] == ["plain"] else steps(range(total))):
         batch = load_batch(data, k)
         params, opt_state, loss = train_step(params, opt_state, batch)
         print(f"step {k} loss {float(loss):.6f}", flush=True)
