@@ -6,12 +6,15 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = {"peak_bytes", "argument_bytes", "temp_bytes", "output_bytes", "collective_bytes",
           "collective_bytes_total", "step_seconds", "vs_gspmd"}
 
 
+# The variants and the measurement code it shares run in the memory sweep and the accelerator dry run below.
+@pytest.mark.slow
 def test_quick_comparison(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.compare", "--quick", "--out", str(tmp_path)],

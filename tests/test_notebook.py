@@ -9,6 +9,9 @@ import pytest
 NOTEBOOK = pathlib.Path(__file__).parent.parent / "examples" / "colab_fsdp.ipynb"
 
 
+# 45 s: in the slow run. Its NNX pattern (fully_shard per block, the root, nnx.Optimizer, jnnx.value_and_grad)
+# runs in the default run through docs/flax.md (tests/test_docs_snippets.py), its memory plot through the demo.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # jupyter_client / zmq internals
 def test_colab_notebook_executes(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)

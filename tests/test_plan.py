@@ -21,10 +21,15 @@ def _cli(*argv, timeout=300):
                           timeout=timeout, check=False)
 
 
-def test_plan_of_a_builder_in_a_subprocess_equals_the_plan_here():
+@pytest.fixture(scope="module")
+def tiny_full_remat():
+    return plan("jshard.demo.plan:build_tiny", devices=8, config=PlanConfig(remat="full"))
+
+
+def test_plan_of_a_builder_in_a_subprocess_equals_the_plan_here(tiny_full_remat):
     """16 devices: a planning subprocess; 8: this process. Both compile the same step of the same shape."""
-    far = plan("jshard.demo.plan:build_tiny", devices=16)
-    here = plan("jshard.demo.plan:build_tiny", devices=8)
+    far = plan("jshard.demo.plan:build_tiny", devices=16, config=PlanConfig(remat="full"))
+    here = tiny_full_remat
     assert far.report.analytic.devices == 16 and here.report.analytic.devices == 8
     for p in (far, here):
         assert p.report.memory.argument == p.report.analytic.argument_bytes
@@ -35,11 +40,6 @@ def test_plan_of_a_builder_in_a_subprocess_equals_the_plan_here():
     assert Plan.from_dict(json.loads(json.dumps(far.to_dict()))) == far
     text = str(far)
     assert "largest temporaries" in text and "FSDP2's bound without activations" in text
-
-
-@pytest.fixture(scope="module")
-def tiny_full_remat():
-    return plan("jshard.demo.plan:build_tiny", devices=8, config=PlanConfig(remat="full"))
 
 
 def test_matmul_flops_count_every_layer_of_a_scan(tiny_full_remat):
