@@ -1,9 +1,11 @@
 """The package as users get it: `python -m build` makes a wheel and an sdist, and the wheel installs
 into a fresh virtual environment, imports, and carries the demo's data, the license and the version."""
 
+import os
 import pathlib
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 
@@ -32,14 +34,21 @@ def test_the_wheel_and_sdist_build_and_the_wheel_installs_and_imports(tmp_path):
     members = tarfile.open(sdist).getnames()
     assert any(m.endswith("/LICENSE") for m in members) and any(m.endswith("/CHANGELOG.md") for m in members)
 
-    env = tmp_path / "env"  # its dependencies come from this interpreter's site-packages: no download
-    _run([sys.executable, "-m", "venv", "--system-site-packages", env])
+    env = tmp_path / "env"
+    _run([sys.executable, "-m", "venv", env])
     python = env / "bin" / "python"
-    # --ignore-installed: an installed jshard outside (CI installs the checkout) would satisfy pip otherwise
-    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel])
+    # Its dependencies come from this interpreter's site-packages (no download), listed after its own
+    # site-packages, so the wheel's jshard is found first (a venv's --system-site-packages would name
+    # the base interpreter's, not this one's when it is itself a venv).
+    site = next((env / "lib").glob("python*/site-packages"))
+    outer = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (site / "outer.pth").write_text("".join(f"{path}\n" for path in outer))
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the venv's paths
+    # --ignore-installed: the outer jshard (CI installs the checkout) would satisfy pip otherwise
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel], env=clean)
     probe = ("import jshard, jshard.demo, pathlib; "
              "print(jshard.__version__, pathlib.Path(jshard.__file__).resolve(), len(jshard.demo.load_text()))")
-    got_version, where, characters = _run([python, "-c", probe], cwd=tmp_path).split()
+    got_version, where, characters = _run([python, "-c", probe], cwd=tmp_path, env=clean).split()
     assert got_version == version
     assert pathlib.Path(where).is_relative_to(env.resolve())  # the wheel's copy, not the checkout
     assert int(characters) > 10_000  # the demo's text, read from the installed package
