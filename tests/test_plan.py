@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import jshard as js
-from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, parse_bytes, plan, scaling
+from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, main, parse_bytes, plan, scaling
 
 
 def _cli(*argv, timeout=300):
@@ -151,24 +151,27 @@ def _not_a_builder(mesh):
     return jnp.ones(3)
 
 
-def test_command_line_reports_errors_without_tracebacks():
-    done = _cli("plan", "--size", "2b")
-    assert done.returncode == 2 and "invalid choice: '2b'" in done.stderr
-    assert all(size in done.stderr for size in ("tiny", "small", "medium", "1b"))
-    done = _cli("plan", "jshard.demo.plan:build_2b", "--devices", "8")
-    assert done.returncode != 0 and "has no attribute 'build_2b'" in done.stderr
-    assert "Traceback" not in done.stderr.split("python -m jshard.report plan:")[-1]
-    done = _cli("frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus")
-    assert done.returncode != 0 and "--remats takes policies" in done.stderr
+def test_command_line_reports_errors_without_tracebacks(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--size", "2b"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: '2b'" in err
+    assert all(size in err for size in ("tiny", "small", "medium", "1b"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "jshard.demo.plan:build_2b", "--devices", "8"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("python -m jshard.report plan: Plan target") and "build_2b" in err
+    with pytest.raises(SystemExit, match="--remats takes policies"):
+        main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus"])
 
 
-def test_command_line_searches_the_frontier():
+def test_command_line_searches_the_frontier(capsys):
     """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier`` here,
     ``plan --json`` in every 16-device plan above (a planning process runs it), ``scaling`` in the slow run."""
-    done = _cli("frontier", "--size", "tiny", "--devices", "16", "--hbm", "8MiB", "--hardware", "v6e",
-                "--batches", "2", "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true")
-    assert done.returncode == 0, done.stderr
-    assert "out-of-memory frontier on Google TPU v6e" in done.stdout and "best: batch 2/device" in done.stdout
+    main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2",
+          "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true"])
+    out = capsys.readouterr().out
+    assert "out-of-memory frontier on Google TPU v6e" in out and "best: batch 2/device" in out
 
 
 @pytest.mark.slow
