@@ -44,14 +44,10 @@ GPU_FLAGS = (
 SIZES = ("tiny", "small", "medium", "1b")
 
 
-def _device_limit(device: Any) -> int | None:
+def _memory_stat(device: Any, key: str) -> int | None:
+    """One of ``device.memory_stats()`` (``None`` where the platform reports none, as CPUs do)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("bytes_limit")
-
-
-def _peak_in_use(device: Any) -> int | None:
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("peak_bytes_in_use")
+    return (stats or {}).get(key)
 
 
 def _setup(size: str, devices: list, batch_per_device: int, mixed_precision: bool, seed: int = 0):
@@ -84,7 +80,7 @@ def _time(compiled: Any, args: tuple, steps: int) -> float:
 
 def choose_size(devices: list, batch_per_device: int, mixed_precision: bool) -> str:
     """The largest demo size whose compiled step fits 90% of the first device's memory."""
-    limit = _device_limit(devices[0])
+    limit = _memory_stat(devices[0], "bytes_limit")
     if limit is None:
         return "tiny"
     best = "tiny"
@@ -106,7 +102,7 @@ def run(size: str | None = None, steps: int = 10, batch_per_device: int = 1) -> 
     planned = Memory.from_compiled(compiled).peak
     flops = matmul_flops(compiled.as_text())
     seconds = _time(compiled, args, steps)
-    measured = _peak_in_use(devices[0])
+    measured = _memory_stat(devices[0], "peak_bytes_in_use")
     alone = seconds
     if len(devices) > 1:
         one, one_args = _setup(size, devices[:1], batch_per_device, mixed_precision)

@@ -54,11 +54,11 @@ class Frontier:
         return sorted((r for r in self.rows if r.fits), key=lambda r: -r.estimate.samples_per_second)
 
     def __str__(self) -> str:
-        gib = 2.0**30
+        gib, ranked = 2.0**30, self.ranked
         lines = [f"out-of-memory frontier on {self.hardware.name} (budget {self.budget / gib:.1f} GiB/device; "
-                 f"{len(self.rows)} configurations compiled, {len(self.ranked)} fit)", "",
+                 f"{len(self.rows)} configurations compiled, {len(ranked)} fit)", "",
                  f"  {'configuration':<60}{'peak GiB':>10}{'step ms':>10}{'samples/s/dev':>15}{'MFU@peak':>10}"]
-        for row in self.ranked:
+        for row in ranked:
             e = row.estimate
             lines.append(f"  {row.plan.config.describe():<60}{row.plan.report.memory.peak / gib:>10.2f}"
                          f"{e.step * 1e3:>10.2f}{e.samples_per_second:>15.2f}{e.compute_share:>10.2f}")
@@ -66,9 +66,9 @@ class Frontier:
         if over:
             lines += ["", "  past the frontier (first batch that does not fit, per combination):"]
             lines += [f"  {r.plan.config.describe():<60}{r.plan.report.memory.peak / gib:>10.2f}" for r in over]
-        if self.ranked:
-            lines += ["", f"best: {self.ranked[0].plan.config.describe()}, because"]
-            lines += [f"  {why}" for why in self.ranked[0].estimate.reasoning]
+        if ranked:
+            lines += ["", f"best: {ranked[0].plan.config.describe()}, because"]
+            lines += [f"  {why}" for why in ranked[0].estimate.reasoning]
         return "\n".join(lines + ["", CPU_CAVEAT])
 
 

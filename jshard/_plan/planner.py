@@ -111,9 +111,9 @@ class Plan:
 
     def __str__(self) -> str:
         a, m = self.report.analytic, self.report.memory
-        psi_bytes = a.padded_params * (a.param_bytes * a.shard_size / max(a.padded_params, 1))
         wire = self.report.collective_bytes
         fsdp_wire = wire["all-gather"] + wire["reduce-scatter"]
+        ring = max(a.param_bytes * (a.shard_size - 1), 1)  # the parameters' bytes times (N-1)/N, all shards
         lines = [
             f"plan of {self.target} ({self.config.describe()}), compiled for {self.platform} in "
             f"{self.compile_seconds:.1f} s",
@@ -121,8 +121,7 @@ class Plan:
             "",
             f"FLOPs per device per step (matmuls, recomputation included): {self.flops:.4g}",
             f"ZeRO-3 traffic: all-gather + reduce-scatter {_size(fsdp_wire)}/device/step = "
-            f"{fsdp_wire / max(psi_bytes * (a.shard_size - 1) / a.shard_size, 1):.2f} x params "
-            f"(analytic {(a.all_gather + a.reduce_scatter) / max(psi_bytes * (a.shard_size - 1) / a.shard_size, 1):.2f}"
+            f"{fsdp_wire / ring:.2f} x params (analytic {(a.all_gather + a.reduce_scatter) / ring:.2f}"
             " x: 3 with resharding after forward, 2 without, at equal dtypes)",
             f"FSDP2's bound without activations (state {_size(a.argument_bytes)} + sharded gradients "
             f"{_size(a.grad_bytes)} + 3 x the largest gathered unit {_size(3 * a.gathered_unit_bytes)}): "

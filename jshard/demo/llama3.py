@@ -6,7 +6,7 @@
 parameters), context 2048 tokens per sequence, AdamW. The NNX model stacks its layers
 (``nnx.vmap``) and runs them with ``nnx.scan``, one unit for the stack; Hugging Face's
 model runs its code unchanged with one unit per decoder layer (``jlinen.ModuleUnits``).
-:func:`llama_config` makes smaller shapes of the same model for tests.
+``TINY`` is a small shape of the same model for tests.
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ class LlamaConfig:
     seq_len: int = 2048
     rope_theta: float = 500000.0
     dtype: str = "float32"  # the compute dtype (bf16 under a MixedPrecisionPolicy)
-
-
-def llama_config(**changes: Any) -> LlamaConfig:
-    """``LlamaConfig`` with some fields changed (``llama_config(layers=2, dim=64, ...)``)."""
-    return dataclasses.replace(LlamaConfig(), **changes)
 
 
 def _rope(x: jax.Array, theta: float) -> jax.Array:
@@ -208,13 +203,14 @@ def build_hf(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
     return build_hf_model(mesh, config, LlamaConfig())
 
 
+TINY = LlamaConfig(vocab=512, dim=64, ffn=160, layers=2, heads=4, kv_heads=2, seq_len=32)  # for tests
+
+
 def build_nnx_tiny(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
-    """The NNX Llama at a test size (2 layers, hidden 64, vocabulary 512)."""
-    return build_nnx_model(mesh, config, llama_config(vocab=512, dim=64, ffn=160, layers=2, heads=4, kv_heads=2,
-                                                      seq_len=32))
+    """The NNX Llama at a test size (``TINY``: 2 layers, hidden 64, vocabulary 512)."""
+    return build_nnx_model(mesh, config, TINY)
 
 
 def build_hf_tiny(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
     """Hugging Face's Llama at the same test size."""
-    return build_hf_model(mesh, config, llama_config(vocab=512, dim=64, ffn=160, layers=2, heads=4, kv_heads=2,
-                                                     seq_len=32))
+    return build_hf_model(mesh, config, TINY)
