@@ -19,9 +19,10 @@ from typing import Any
 
 import jax
 
+from jshard._plan.compiler import CompileTarget
 from jshard._plan.estimate import Estimate, estimate
 from jshard._plan.hardware import HardwareProfile
-from jshard._plan.planner import Plan, plan_here, plan_mesh, run_in_devices
+from jshard._plan.planner import Plan, compile_target, plan_here, plan_mesh, run_in_devices
 from jshard._plan.target import REMATS, PlanConfig, spec_of
 
 CPU_CAVEAT = (
@@ -69,17 +70,20 @@ class Frontier:
         if ranked:
             lines += ["", f"best: {ranked[0].plan.config.describe()}, because"]
             lines += [f"  {why}" for why in ranked[0].estimate.reasoning]
-        return "\n".join(lines + ["", CPU_CAVEAT])
+        on_cpu = any(r.plan.platform == "cpu" for r in self.rows)
+        return "\n".join(lines + (["", CPU_CAVEAT] if on_cpu else []))
 
 
-def frontier(build: Callable[..., Any] | str, *, devices: int, budget: float, hardware: HardwareProfile,
+def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, budget: float, hardware: HardwareProfile,
              replicate: int = 1, tensor_parallel: int = 1, batches: Sequence[int] = (1, 2, 4, 8, 16),
              reshard_after_forward: Sequence[bool] = (True, False), remats: Sequence[str] = REMATS,
-             mixed_precision: Sequence[bool] = (True, False), offload: Sequence[bool] = (False,)) -> Frontier:
+             mixed_precision: Sequence[bool] = (True, False), offload: Sequence[bool] = (False,),
+             target: str | CompileTarget | None = None) -> Frontier:
     """Search the configurations of ``build`` that fit ``budget`` bytes per device, compile only.
 
     With fewer devices here than ``devices``, the search runs in one subprocess with that
-    many simulated CPU devices (as :func:`plan` does). See [Note: frontier].
+    many simulated CPU devices (as :func:`plan` does); ``target`` plans on another compiler
+    (``"tpu:v5p-256"``: see [Note: compile target]). See [Note: frontier].
 
     Example:
       >>> import jshard as js
@@ -89,14 +93,16 @@ def frontier(build: Callable[..., Any] | str, *, devices: int, budget: float, ha
       >>> [(row.plan.config.batch_per_device, row.fits) for row in f.rows], f.ranked
       ([(64, False)], [])
     """
-    if len(jax.devices()) < devices:
+    where = compile_target(target, devices)
+    devices = where.devices
+    if where.platform == "cpu" and len(jax.devices()) < devices:
         grid = {"batches": list(batches), "reshard_after_forward": list(reshard_after_forward),
                 "remats": list(remats), "mixed_precision": list(mixed_precision), "offload": list(offload)}
         argv = ["frontier", spec_of(build), "--devices", str(devices), "--replicate", str(replicate),
                 "--tensor-parallel", str(tensor_parallel), "--hbm", str(budget), "--hardware-json",
                 json.dumps(dataclasses.asdict(hardware)), "--grid", json.dumps(grid)]
         return frontier_from_dict(run_in_devices(argv, devices))
-    mesh = plan_mesh(devices, replicate, tensor_parallel)
+    mesh = plan_mesh(devices, replicate, tensor_parallel, where.tpu_devices() if where.platform == "tpu" else None)
     rows = []
     for raf, remat, mp, off in itertools.product(reshard_after_forward, remats, mixed_precision, offload):
         for batch in sorted(batches):
