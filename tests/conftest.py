@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU compiler (tests/test_tpu_compiler.py) compiles only; without this, libtpu's lock file
+# refuses a second process that loads it (another test run, a planning subprocess).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 

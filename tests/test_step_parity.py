@@ -76,3 +76,16 @@ def test_mixed_precision_stays_within_a_stated_bound(reference, reduce_dtype):
              for a, b in zip(jax.tree.leaves(js.unshard(sharded)), jax.tree.leaves(ref_params), strict=True)]
     assert 1e-6 < max(diffs) < 3e-3  # really computed in bf16, and close
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(sharded))  # fp32 master shards
+
+
+@pytest.mark.parametrize("phases", [(2, 2, 2), (4, 2)], ids=str)
+def test_parity_with_the_gradient_reduce_scatter_split_in_torus_phases(reference, monkeypatch, phases):
+    """What a v5p slice runs ([Note: torus phases]): one reduce-scatter per torus dimension,
+    forced here on CPU devices, trains like the single reduce-scatter (HSDP too)."""
+    import jshard._sharding.mesh as mesh_module
+
+    for replicate, mesh_phases in ((1, phases), (2, (2, 2))):
+        monkeypatch.setattr(mesh_module, "scatter_phases", lambda mesh, shard_axes, p=mesh_phases: p)
+        sharded = shard(init_params(), js.make_mesh(replicate=replicate))
+        assert sharded.meta.axes.scatter_phases == mesh_phases
+        _check(reference, *train_sharded(sharded, batches(STEPS)))

@@ -12,6 +12,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jshard._sharding.policies import DataParallelMeshDims, FullyShardPolicy
+from jshard._sharding.torus import scatter_phases
 
 
 def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -82,7 +83,9 @@ class MeshAxes:
 
     ``model`` are the other axes with their sizes (tensor parallel and friends, "model
     axes"): leaves may arrive sharded over them, and the step leaves them to GSPMD or
-    explicit sharding (see docs/parallelism.md).
+    explicit sharding (see docs/parallelism.md). ``scatter_phases``: how a gradient's
+    reduce-scatter over the shard axes follows the TPU torus, one phase per dimension
+    (``()``: one reduce-scatter; see [Note: torus phases] in ``torus.py``).
     """
 
     shard: tuple[str, ...]
@@ -90,6 +93,7 @@ class MeshAxes:
     shard_size: int
     replicate_size: int
     model: tuple[tuple[str, int], ...] = ()
+    scatter_phases: tuple[int, ...] = ()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -146,6 +150,7 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
         shard_size=math.prod(mesh.shape[a] for a in dims.shard),
         replicate_size=math.prod(mesh.shape[a] for a in dims.replicate),
         model=tuple((a, mesh.shape[a]) for a in names if a not in dims.shard + dims.replicate),
+        scatter_phases=scatter_phases(mesh, dims.shard),
     )
 
 

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jshard._sharding.torus import phase_groups
+
 Axes = tuple[str, ...]
 
 
@@ -27,9 +29,29 @@ def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int
     return jax.lax.all_gather(x, axes, axis=dim, tiled=True, axis_index_groups=groups)
 
 
-def reduce_scatter(g: jax.Array, axes: Axes, dim: int) -> jax.Array:
-    """Sum ``g`` over ``axes`` and keep this device's chunk of ``dim`` (tiled)."""
-    return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = ()) -> jax.Array:
+    """Sum ``g`` over ``axes`` and keep this device's chunk of ``dim`` (tiled).
+
+    ``phases`` (sizes whose product is the size of ``axes``, slowest first) splits it into one
+    reduce-scatter per phase over the devices that differ in that digit of their index, with
+    the same result: the TPU torus's dimensions (see [Note: torus phases] in ``torus.py``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> mesh = js.make_mesh()
+      >>> def both(g):
+      ...     one = js.collectives.reduce_scatter(g, ("fsdp",), 0)
+      ...     return one, js.collectives.reduce_scatter(g, ("fsdp",), 0, phases=(2, 2, 2))
+      >>> f = jax.shard_map(both, mesh=mesh, in_specs=jax.P(), out_specs=jax.P("fsdp"), check_vma=False)
+      >>> one, phased = f(jnp.arange(16.0))
+      >>> bool((one == phased).all()), one.tolist()[:3]
+      (True, [0.0, 8.0, 16.0])
+    """
+    if len(phases) < 2:
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+    for k in range(len(phases)):
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=phase_groups(phases, k))
+    return g
 
 
 def all_reduce(g: jax.Array, axes: Axes) -> jax.Array:

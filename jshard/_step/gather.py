@@ -86,8 +86,11 @@ def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
     if pre != 1:
         g = g / pre
     if layout.sharded:
-        scatter = policy.custom_reduce_scatter or C.reduce_scatter
-        g = scatter(model_piece(pad(g, layout), layout, comm.axes), comm.axes.shard, layout.dim)
+        piece = model_piece(pad(g, layout), layout, comm.axes)
+        if policy.custom_reduce_scatter is None:
+            g = C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.axes.scatter_phases)
+        else:
+            g = policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
     else:
         g = C.all_reduce(g, comm.axes.shard)
     if not comm.skip_all_reduce:

@@ -1,0 +1,76 @@
+"""How a gradient reduce-scatter follows the physical torus of a TPU slice.
+
+[Note: torus phases] XLA:TPU on chips with a 3-D torus (v4, v5p) rewrites every
+reduce-scatter whose devices span more than one torus dimension into an all-reduce of the
+whole gradient followed by a slice (its ``reduce-scatter-decomposer`` pass; measured on
+libtpu 0.0.42: an FSDP group of 8 v5p chips, 2x2x2). That moves twice a reduce-scatter's
+bytes and holds a full-size result per gradient. A reduce-scatter along *one* torus dimension
+stays native there. So when the devices of the shard axes form a row-major grid over torus
+dimensions (as ``jax.make_mesh`` and :func:`jshard.make_mesh` lay them out), the step reduces
+a gradient in one phase per dimension, slowest first: each phase is a native reduce-scatter
+over the devices that differ only in that coordinate, keeps this device's block, and the last
+leaves it exactly the chunk a single reduce-scatter would (row-major digits). The bytes sent
+add up to ``(N - 1) / N`` of the gradient, a ring reduce-scatter's. On 2-D tori (v5e, v6e),
+on GPUs and on CPU, one reduce-scatter is kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from jax.sharding import Mesh
+
+# Device kinds whose compiler decomposes reduce-scatters that span several torus dimensions.
+DECOMPOSING_KINDS = frozenset({"TPU v4", "TPU v5", "TPU v5p"})
+
+
+def scatter_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
+    """Sizes of the per-dimension phases of a reduce-scatter over ``shard_axes`` (slowest
+    first), or ``()`` where one reduce-scatter is kept (see the Note above).
+
+    Example:
+      >>> import jshard as js
+      >>> from jshard._sharding.torus import scatter_phases
+      >>> scatter_phases(js.make_mesh(), ("fsdp",))  # CPU devices: one reduce-scatter
+      ()
+    """
+    devices = mesh.devices
+    if devices.flat[0].platform != "tpu" or devices.flat[0].device_kind not in DECOMPOSING_KINDS:
+        return ()
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in names if a not in shard_axes] + [names.index(a) for a in shard_axes]
+    rows = np.transpose(devices, order).reshape(-1, int(np.prod([mesh.shape[a] for a in shard_axes])))
+    coords = np.array([[list(d.coords) for d in row] for row in rows])  # (groups, N, torus dims)
+    phases = _grid_order(coords[0])
+    if phases is None or any(_grid_order(c) != phases for c in coords[1:]) or len(phases) < 2:
+        return ()
+    return tuple(size for _, size in phases)
+
+
+def _grid_order(coords: np.ndarray) -> tuple[tuple[int, int], ...] | None:
+    """``((torus dim, size), ...)`` slowest first, if the devices' coordinates run row-major
+    over the dimensions that vary (each taking ``size`` consecutive values); else ``None``."""
+    varying = [d for d in range(coords.shape[1]) if len(set(coords[:, d])) > 1]
+    sizes = {d: len(set(coords[:, d])) for d in varying}
+    if int(np.prod(list(sizes.values()) or [1])) != len(coords):
+        return None
+    for perm in itertools.permutations(varying):
+        digits = np.array(list(itertools.product(*(range(sizes[d]) for d in perm))))
+        expected = [coords[:, d].min() + digits[:, k] for k, d in enumerate(perm)]
+        if all(np.array_equal(coords[:, d], e) for d, e in zip(perm, expected, strict=True)):
+            return tuple((d, sizes[d]) for d in perm)
+    return None
+
+
+def phase_groups(phases: tuple[int, ...], k: int) -> list[list[int]]:
+    """The device groups (indices over the shard axes) of phase ``k``: devices that differ
+    only in digit ``k`` of their row-major index over ``phases``.
+
+    Example:
+      >>> from jshard._sharding.torus import phase_groups
+      >>> phase_groups((2, 4), 0), phase_groups((2, 4), 1)
+      ([[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
+    """
+    index = np.arange(int(np.prod(phases))).reshape(phases)
+    return np.moveaxis(index, k, -1).reshape(-1, phases[k]).tolist()
