@@ -1,23 +1,28 @@
-"""Peak memory per device: jshard against the plain GSPMD FSDP recipe, over a sweep of models.
+"""Peak memory and matmul FLOPs per device: jshard against both GSPMD FSDP recipes, over a sweep of models.
 
-``python -m benchmarks.memory_sweep`` (``--quick`` for two models) compiles one training
-step (loss and gradients) of each model on 8 simulated CPU devices, on abstract inputs
+``python -m benchmarks.memory_sweep`` (``--quick`` for two models; ``--target tpu:v5p:2x2x2`` to
+compile with XLA:TPU, without a TPU: see ``jshard.report.CompileTarget``) compiles one training
+step (loss and gradients, parameters donated) of each model on 8 devices, on abstract inputs
 (nothing is allocated), and reports ``memory_analysis()``'s peak per device (arguments +
-outputs + temporaries - aliased) for:
+outputs + temporaries - aliased) and the matmul FLOPs per device (``jshard.report.matmul_flops``,
+loop trip counts included) for:
 
-- ``recipe``: what a JAX user writes by hand: every parameter with a ``NamedSharding``
-  over ``fsdp`` on its first dim (the layer dim of a stacked leaf excepted), each layer
-  under ``jax.checkpoint`` (in a ``lax.scan`` body when stacked, in a Python loop when
-  unrolled), gradients out with the parameters' shardings; GSPMD inserts the collectives.
-- ``jshard``: one unit per layer (``js.unshard`` in the loop) or one stacked unit
-  (``js.scan``), the rest in the root unit, with the recipe's activation checkpointing
-  (``remat_policy=nothing_saveable``): the same recomputation, so the same FLOPs.
-- ``jshard_saving``: jshard's default, which keeps activations for backward (FSDP2's
-  default; no recomputation), for information.
+- ``recipe``: what a JAX user writes by hand: every parameter with a ``NamedSharding`` over
+  ``fsdp`` on its first dim (the layer dim of a stacked leaf excepted), layers in a ``lax.scan``
+  (stacked) or a Python loop (unrolled), gradients out with the parameters' shardings; GSPMD
+  inserts the collectives.
+- ``constrained``: the same plus ``with_sharding_constraint`` of every layer's input and output
+  to batch sharding, which a careful user adds once they see the plain recipe's traffic.
+- ``jshard``: one unit per layer (``js.unshard`` in the loop) or one stacked unit (``js.scan``),
+  the rest in the root unit.
 
-Models: tanh MLPs (``tanh(h @ w + b)``, widths 256-1024, 4 and 16 layers, batches 64 and
-512) and the benchmarks' transformer (``jshard/demo/model.py``), each stacked and
-unrolled. Writes ``results/memory_sweep.json``.
+Like for like: ``remat`` models recompute each layer in backward (recipes ``jax.checkpoint``
+around the layer, jshard ``remat_policy=nothing_saveable``), the others keep activations (no
+checkpoint; jshard's default). ``bf16`` models compute and gather in bfloat16 from float32
+parameters (recipes cast the parameters inside the loss; jshard ``MixedPrecisionPolicy(bfloat16,
+float32)``). Models: tanh MLPs (``tanh(h @ w + b)``), GELU MLP blocks (``h + gelu(h @ w1) @ w2``,
+``w1`` 3x wider) and the benchmarks' transformer (``jshard/demo/model.py``). Writes
+``results/memory_sweep.json`` (``memory_sweep_<target>.json`` for another target).
 """
 
 from __future__ import annotations
@@ -39,77 +44,81 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jshard as js  # noqa: E402
 from jshard.demo import model as T  # noqa: E402
-from jshard.report import Memory  # noqa: E402
+from jshard.report import CompileTarget, Memory, matmul_flops  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-VARIANTS = ("recipe", "jshard", "jshard_saving")
+VARIANTS = ("recipe", "constrained", "jshard")
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """One model of the sweep: ``kind`` ``mlp`` or ``transformer``, stacked or unrolled."""
+    """One model of the sweep: ``kind`` ``tanh``, ``gelu`` or ``transformer``, stacked or unrolled."""
 
     kind: str
     stacked: bool
     layers: int
     width: int
     batch: int
+    remat: bool = True
+    bf16: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.kind} {'stacked' if self.stacked else 'unrolled'} {self.layers}x{self.width} b{self.batch}"
+        return (f"{self.kind} {'stacked' if self.stacked else 'unrolled'} {self.layers}x{self.width} b{self.batch} "
+                f"{'remat' if self.remat else 'kept'} {'bf16' if self.bf16 else 'fp32'}")
 
 
 def _sds(*shape: int, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-# ----------------------------------------------------------------- models as (params, batch, loss pieces)
+# ----------------------------------------------------------------- models as (params, batch, loss)
 
 
-def _mlp_params(m: Model) -> dict[str, Any]:
-    if m.stacked:
-        return {"blocks": {"w": _sds(m.layers, m.width, m.width), "b": _sds(m.layers, m.width)}}
-    return {"blocks": [{"w": _sds(m.width, m.width), "b": _sds(m.width)} for _ in range(m.layers)]}
+def _layer_params(m: Model) -> dict[str, tuple[int, ...]]:
+    if m.kind == "tanh":
+        return {"w": (m.width, m.width), "b": (m.width,)}
+    return {"w1": (m.width, 3 * m.width), "w2": (3 * m.width, m.width)}
 
 
 def _mlp_layer(h: jax.Array, layer: Any) -> tuple[jax.Array, None]:
-    return jnp.tanh(h @ layer["w"] + layer["b"]), None
+    if "b" in layer:
+        return jnp.tanh(h @ layer["w"] + layer["b"]), None
+    return h + jax.nn.gelu(h @ layer["w1"]) @ layer["w2"], None
 
 
 def _transformer_config(m: Model) -> T.TransformerConfig:
     return T.TransformerConfig(vocab=128, d_model=m.width, heads=4, layers=m.layers, d_ff=4 * m.width, seq_len=64)
 
 
-def _transformer_params(m: Model) -> dict[str, Any]:
-    params = T.abstract_params(_transformer_config(m))
-    if not m.stacked:
-        blocks = params["blocks"]
-        params = {**params, "blocks": [jax.tree.map(lambda x: _sds(*x.shape[1:], dtype=x.dtype), blocks)
-                                       for _ in range(m.layers)]}
-    return params
+def _params(m: Model) -> dict[str, Any]:
+    if m.kind == "transformer":
+        params = T.abstract_params(_transformer_config(m))
+        if m.stacked:
+            return params
+        one = jax.tree.map(lambda x: _sds(*x.shape[1:], dtype=x.dtype), params["blocks"])
+        return {**params, "blocks": [one] * m.layers}
+    if m.stacked:
+        return {"blocks": {k: _sds(m.layers, *s) for k, s in _layer_params(m).items()}}
+    return {"blocks": [{k: _sds(*s) for k, s in _layer_params(m).items()} for _ in range(m.layers)]}
 
 
 def _batch(m: Model) -> jax.ShapeDtypeStruct:
-    if m.kind == "mlp":
-        return _sds(m.batch, m.width)
-    return _sds(m.batch, 65, dtype=jnp.int32)
+    return _sds(m.batch, 65, dtype=jnp.int32) if m.kind == "transformer" else _sds(m.batch, m.width)
 
 
 def _loss(m: Model, run_blocks: Callable[..., Any], params: Any, batch: jax.Array, remat: str) -> jax.Array:
     """The model's loss with ``run_blocks(body, h, blocks)`` running its layers."""
     if m.kind == "transformer":
         return T.lm_loss(params, batch, _transformer_config(m), run_blocks, remat)
-
-    def body(h, layer):
-        return (jax.checkpoint(_mlp_layer) if remat == "checkpoint" else _mlp_layer)(h, layer)
-
-    h, _ = run_blocks(body, batch, params["blocks"])
-    return jnp.mean(h**2)
+    body = jax.checkpoint(_mlp_layer) if remat == "checkpoint" else _mlp_layer
+    h, _ = run_blocks(body, batch.astype(jax.tree.leaves(params["blocks"])[0].dtype), params["blocks"])
+    return jnp.mean(h.astype(jnp.float32) ** 2)
 
 
 def _loop(body: Callable[..., Any], h: Any, blocks: list[Any], gather: Callable[[Any], Any] = lambda x: x):
@@ -121,8 +130,13 @@ def _loop(body: Callable[..., Any], h: Any, blocks: list[Any], gather: Callable[
 # ----------------------------------------------------------------- the steps
 
 
-def _recipe(m: Model, mesh: Any) -> Memory:
-    params = _mlp_params(m) if m.kind == "mlp" else _transformer_params(m)
+def _compiled(step: Callable[..., Any], *args: Any) -> dict[str, float]:
+    compiled = step.lower(*args).compile()
+    return {"peak": Memory.from_compiled(compiled).peak, "flops": matmul_flops(compiled.as_text())}
+
+
+def _recipe(m: Model, mesh: Mesh, constrained: bool) -> dict[str, float]:
+    params = _params(m)
 
     def spec(path, x):
         layer_dim = 1 if m.stacked and any(getattr(k, "key", None) == "blocks" for k in path) else 0
@@ -131,77 +145,98 @@ def _recipe(m: Model, mesh: Any) -> Memory:
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), jax.tree_util.tree_map_with_path(spec, params),
                              is_leaf=lambda s: isinstance(s, PartitionSpec))
     run = T.lax_scan_blocks if m.stacked else _loop
-    step = jax.jit(
-        jax.value_and_grad(lambda p, b: _loss(m, run, p, b, "checkpoint")),
-        in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("fsdp"))),
-        out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings),
-    )
-    return Memory.from_compiled(step.lower(params, _batch(m)).compile())
+    if constrained:
+        batch_sharded = NamedSharding(mesh, PartitionSpec("fsdp"))
+        pin = lambda h: jax.lax.with_sharding_constraint(h, batch_sharded)  # noqa: E731
+        plain = run
+        run = lambda body, h, blocks: plain(lambda h, layer: (pin(body(pin(h), layer)[0]), None), h, blocks)  # noqa: E731
+
+    def loss(p, b):
+        if m.bf16:
+            p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+        return _loss(m, run, p, b, "checkpoint" if m.remat else "none")
+
+    step = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("fsdp"))),
+                   out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings), donate_argnums=0)
+    return _compiled(step, params, _batch(m))
 
 
-def _jshard(m: Model, mesh: Any, saving: bool) -> Memory:
-    params = _mlp_params(m) if m.kind == "mlp" else _transformer_params(m)
+def _jshard(m: Model, mesh: Mesh) -> dict[str, float]:
+    params = _params(m)
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if m.bf16 else \
+        js.MixedPrecisionPolicy()
     if m.stacked:
-        blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0))
+        blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, mp_policy=mp))
         run = js.scan
     else:
-        blocks = [js.fully_shard(layer, mesh) for layer in params["blocks"]]
+        blocks = [js.fully_shard(layer, mesh, js.FullyShardPolicy(mp_policy=mp)) for layer in params["blocks"]]
 
         def run(body, h, units):
             return _loop(body, h, units, js.unshard)
 
-    sharded = js.fully_shard({**params, "blocks": blocks}, mesh)
-    # js.scan needs a block its policy cannot override (see jshard.demo.model.recompute_in_backward);
-    # unrolled, the step's remat_policy does the recomputation (it overrides the jax.checkpoint).
-    remat = "custom_vjp" if m.kind == "transformer" and m.stacked and not saving else "checkpoint"
+    sharded = js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(mp_policy=mp))
 
     def loss_fn(p, b):
-        return _loss(m, run, js.unshard(p), b, remat)
+        return _loss(m, run, js.unshard(p), b, "none")
 
-    policy = None if saving else jax.checkpoint_policies.nothing_saveable
-    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=policy))
-    return Memory.from_compiled(step.lower(sharded, _batch(m)).compile())
+    policy = jax.checkpoint_policies.nothing_saveable if m.remat else None
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=policy), donate_argnums=0)
+    return _compiled(step, sharded, _batch(m))
 
 
-def measure(m: Model, mesh: Any) -> dict[str, int]:
-    """Peak bytes per device of each variant's step."""
-    return {
-        "recipe": _recipe(m, mesh).peak,
-        "jshard": _jshard(m, mesh, saving=False).peak,
-        "jshard_saving": _jshard(m, mesh, saving=True).peak,
-    }
+def measure(m: Model, mesh: Mesh) -> dict[str, dict[str, float]]:
+    """Peak bytes and matmul FLOPs per device of each variant's step."""
+    results = {"recipe": _recipe(m, mesh, False), "constrained": _recipe(m, mesh, True), "jshard": _jshard(m, mesh)}
+    return {"peak_bytes": {v: r["peak"] for v, r in results.items()},
+            "flops": {v: r["flops"] for v, r in results.items()}}
 
 
 def models(quick: bool) -> list[Model]:
     if quick:
-        return [Model("mlp", False, 4, 256, 64), Model("mlp", True, 4, 256, 64)]
-    mlps = [Model("mlp", s, layers, width, batch)
-            for s, layers, width, batch in itertools.product((True, False), (4, 16), (256, 512, 1024), (64, 512))]
-    transformers = [Model("transformer", s, layers, width, batch)
-                    for s, (layers, width), batch in itertools.product((True, False), ((4, 128), (8, 256)), (16, 64))]
+        return [Model("tanh", False, 4, 256, 64), Model("gelu", True, 4, 256, 64, remat=False, bf16=True)]
+    mlps = [Model(kind, stacked, 6, width * (3 if kind == "tanh" else 1), batch, remat, bf16)
+            for kind, stacked, width, batch, remat, bf16 in itertools.product(
+                ("tanh", "gelu"), (True, False), (512, 1536), (64, 512), (True, False), (False, True))]
+    transformers = [Model("transformer", stacked, layers, width, batch, remat)
+                    for stacked, (layers, width), batch, remat in itertools.product(
+                        (True, False), ((4, 128), (8, 256)), (16, 64), (True, False))]
     return mlps + transformers
+
+
+def target_mesh(target: CompileTarget) -> Mesh:
+    """A 1-D ``fsdp`` mesh (Auto axes, as the recipes want) over the target's devices."""
+    devices = target.tpu_devices() if target.platform == "tpu" else jax.devices()[: target.devices]
+    return Mesh(np.array(devices), ("fsdp",), axis_types=(AxisType.Auto,))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small models (a smoke test)")
+    parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
+    parser.add_argument("--only", default="", help="run the models whose name contains this text")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
     args = parser.parse_args(argv)
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    target = CompileTarget.parse(args.target)
+    mesh = target_mesh(target)
     rows = []
-    print("| model | recipe MiB | jshard MiB | jshard / recipe | jshard_saving MiB |")
-    print("|---|---|---|---|---|")
-    for m in models(args.quick):
-        peaks = measure(m, mesh)
-        rows.append({**dataclasses.asdict(m), "name": m.name, "peak_bytes": peaks})
-        mib = {k: v / 2**20 for k, v in peaks.items()}
-        ratio = peaks["jshard"] / peaks["recipe"]
-        print(f"| {m.name} | {mib['recipe']:.2f} | {mib['jshard']:.2f} | {ratio:.2f} | {mib['jshard_saving']:.2f} |",
-              flush=True)
-    worst = max(r["peak_bytes"]["jshard"] / r["peak_bytes"]["recipe"] for r in rows)
-    print(f"worst jshard / recipe peak: {worst:.3f} over {len(rows)} models")
+    print(f"compiled by {target.describe()}")
+    print("| model | recipe MiB | constrained MiB | jshard MiB | peak / best recipe | FLOPs / recipe |")
+    print("|---|---|---|---|---|---|")
+    for m in [m for m in models(args.quick) if args.only in m.name]:
+        result = measure(m, mesh)
+        rows.append({**dataclasses.asdict(m), "name": m.name, **result})
+        mib = {k: v / 2**20 for k, v in result["peak_bytes"].items()}
+        peak_ratio = result["peak_bytes"]["jshard"] / min(result["peak_bytes"]["recipe"],
+                                                           result["peak_bytes"]["constrained"])
+        flops_ratio = result["flops"]["jshard"] / max(result["flops"]["recipe"], 1.0)
+        print(f"| {m.name} | {mib['recipe']:.2f} | {mib['constrained']:.2f} | {mib['jshard']:.2f} | "
+              f"{peak_ratio:.2f} | {flops_ratio:.2f} |", flush=True)
+    worst = max(r["peak_bytes"]["jshard"] / min(r["peak_bytes"]["recipe"], r["peak_bytes"]["constrained"])
+                for r in rows)
+    print(f"worst jshard / best recipe peak: {worst:.3f} over {len(rows)} models")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "memory_sweep.json").write_text(json.dumps({"quick": args.quick, "models": rows}, indent=1))
+    name = "memory_sweep.json" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}.json"
+    (args.out / name).write_text(json.dumps({"quick": args.quick, "target": args.target, "models": rows}, indent=1))
 
 
 if __name__ == "__main__":
