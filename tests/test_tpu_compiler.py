@@ -123,3 +123,14 @@ def test_recompute_once_on_the_tpu_compiler():
     flops = recipe_and_jshard_flops(mesh, jax.checkpoint_policies.nothing_saveable)
     assert flops["jshard"] == flops["recipe"] > 0
 
+
+
+def test_a_two_slice_plan_shows_the_traffic_between_slices():
+    """HSDP over two v5p slices: FSDP inside each slice, the replica all-reduce of the gradients
+    across the data-center network (XLA:TPU sends it to its megascale runtime)."""
+    p = plan(_mlp_builder, target=CompileTarget.parse("tpu:v5p:2x2x1", slices=2), replicate=2)
+    assert p.report.mesh == {"replicate": 2, "fsdp": 4}
+    assert all(c.group_size <= 4 for c in p.report.collectives)  # nothing inside a slice crosses it
+    grads = (2 * 2 * 256 * 512 * 4 + 256 * 128 * 4) / 4  # each device's gradient shards, fp32
+    assert p.dcn_bytes >= grads  # every shard crosses the data-center network (plus the loss)
+    assert "between slices (data-center network)" in str(p)

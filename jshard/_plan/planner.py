@@ -34,6 +34,7 @@ from jshard._plan.compiler import CompileTarget
 from jshard._plan.target import PlanConfig, call_build, load_build, spec_of
 from jshard._report.flops import matmul_flops
 from jshard._report.report import Report, format_report, report_compiled
+from jshard._report.step_collectives import data_center_bytes
 from jshard._sharding.mesh import make_mesh
 
 
@@ -72,6 +73,9 @@ class Plan:
       temporaries: the largest buffers among the temporaries, when XLA's buffer
         assignment could be read (plans run in a planning subprocess; see
         [Note: temporary buffers]).
+      dcn_bytes: bytes each device hands the data-center network per step (multi-slice TPU
+        plans: XLA:TPU compiles a collective across slices to ``send``s to its megascale
+        runtime, outside the slice's collectives above); 0 on one slice.
 
     Example:
       >>> from jshard.report import plan
@@ -87,6 +91,7 @@ class Plan:
     compile_seconds: float
     platform: str
     temporaries: tuple[Buffer, ...] = ()
+    dcn_bytes: float = 0.0
 
     @property
     def bound_bytes(self) -> float:
@@ -103,14 +108,16 @@ class Plan:
         """Plain data (JSON-ready); :meth:`from_dict` rebuilds the plan."""
         return {"target": self.target, "config": dataclasses.asdict(self.config), "report": self.report.to_dict(),
                 "flops": self.flops, "compile_seconds": self.compile_seconds, "platform": self.platform,
-                "temporaries": [dataclasses.asdict(b) for b in self.temporaries]}
+                "temporaries": [dataclasses.asdict(b) for b in self.temporaries],
+                "dcn_bytes": self.dcn_bytes}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         """The plan :meth:`to_dict` gave."""
         buffers = tuple(Buffer(**{**b, "shape": tuple(b["shape"])}) for b in data.get("temporaries", ()))
         return cls(data["target"], PlanConfig(**data["config"]), Report.from_dict(data["report"]),
-                   float(data["flops"]), float(data["compile_seconds"]), data["platform"], buffers)
+                   float(data["flops"]), float(data["compile_seconds"]), data["platform"], buffers,
+                   float(data.get("dcn_bytes", 0.0)))
 
     def __str__(self) -> str:
         a, m = self.report.analytic, self.report.memory
@@ -132,6 +139,10 @@ class Plan:
             + (", within it" if m.peak <= self.bound_bytes else
                f", {_size(m.peak - self.bound_bytes)} above it: activations and XLA scratch"),
         ]
+        if self.dcn_bytes:
+            within = sum(c.wire_bytes_per_step for c in self.report.collectives)
+            lines.append(f"between slices (data-center network): {_size(self.dcn_bytes)}/device/step sent; "
+                         f"within a slice (the collectives above): {_size(within)}/device/step")
         if not m.alias and m.output > 0.1 * m.argument:
             lines.append("note: the step donates no arguments; XLA then parks temporaries in the output buffers, "
                          "so temp reads low: jit it with donate_argnums for a training step's real figure")
@@ -167,7 +178,7 @@ def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sha
     report = report_compiled(compiled, lowered.as_text(), args, params, compiled_text=text)
     buffers = largest_temporaries(dump, report.placements) if dump else ()
     return Plan(spec, config, report, matmul_flops(text), time.perf_counter() - start,
-                mesh.devices.flat[0].platform, buffers)
+                mesh.devices.flat[0].platform, buffers, data_center_bytes(text))
 
 
 _DUMP_ENV = "JSHARD_PLAN_DUMP"

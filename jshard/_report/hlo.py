@@ -10,7 +10,7 @@ import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "s8": "int8",
+HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "s8": "int8",
                "u8": "uint8", "s32": "int32", "s64": "int64", "u32": "uint32", "pred": "bool"}
 COMPUTATION_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
@@ -108,8 +108,8 @@ class HloCollective:
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     out = []
     for dtype, dims in _ARRAY.findall(text):
-        if dtype in _HLO_DTYPES:
-            out.append((_HLO_DTYPES[dtype], tuple(int(d) for d in dims.split(",") if d)))
+        if dtype in HLO_DTYPES:
+            out.append((HLO_DTYPES[dtype], tuple(int(d) for d in dims.split(",") if d)))
     return out
 
 
@@ -230,8 +230,8 @@ def entry_bytes_by_memory_space(hlo_text: str) -> dict[str, dict[str, int]]:
     found = {"device": {"arguments": 0, "outputs": 0}, "host": {"arguments": 0, "outputs": 0}}
     for part, text in (("arguments", args), ("outputs", outs)):
         for dtype, dims, tiling in _LAYOUT_ARRAY.findall(text):
-            if dtype not in _HLO_DTYPES:
+            if dtype not in HLO_DTYPES:
                 continue
-            size = math.prod(int(d) for d in dims.split(",") if d) * np.dtype(_HLO_DTYPES[dtype]).itemsize
+            size = math.prod(int(d) for d in dims.split(",") if d) * np.dtype(HLO_DTYPES[dtype]).itemsize
             found["host" if "S(5)" in tiling else "device"][part] += size
     return found

@@ -241,3 +241,23 @@ def wire_bytes_by_kind(collectives: list[StepCollective]) -> dict[str, float]:
     for c in collectives:
         totals[c.kind] += c.wire_bytes_per_step
     return totals
+
+
+_MEGASCALE_SEND = re.compile(r"^\s*%?[\w.\-]+ = \((\w+)\[([\d,]*)\][^,]*,.* send\(.*xla_megascale")
+
+
+def data_center_bytes(hlo_text: str) -> float:
+    """Bytes each device sends across TPU slices per step: a multi-slice program's collectives
+    between slices are ``send``s to XLA:TPU's megascale runtime (loop trip counts included)."""
+    counts = loop_counts(hlo_text)
+    total, current = 0.0, ""
+    for line in hlo_text.splitlines():
+        header = hlo.COMPUTATION_HEADER.match(line)
+        if header:
+            current = header.group(1)
+            continue
+        send = _MEGASCALE_SEND.match(line)
+        if send:
+            size = math.prod(int(d) for d in send.group(2).split(",") if d)
+            total += size * np.dtype(hlo.HLO_DTYPES[send.group(1)]).itemsize * counts.get(current, (1,))[0]
+    return total
