@@ -5,6 +5,8 @@ compilation); ``jax.devices()`` stays CPU. The test extra installs it (``jax[tpu
 installed jax's version), so these run in the default suite.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jshard as js
 from jshard._sharding.mesh import slice_of
 from jshard._sharding.torus import scatter_phases
-from jshard.report import CompileTarget, plan, step_collectives
+from jshard.report import CompileTarget, PlanConfig, plan, step_collectives
 
 
 def _tpu(topology: str, slices: int = 1) -> list:
@@ -46,19 +48,22 @@ def test_bad_targets_say_what_exists():
         plan(_mlp_builder, devices=8, target="tpu:v5p-8")
 
 
-def _mlp_builder(mesh):
+def _mlp_builder(mesh, config=None):
     """Two stacked GELU layers and a root head, abstract (nothing allocated)."""
-    sds = jax.ShapeDtypeStruct
+    config, sds = config or PlanConfig(), jax.ShapeDtypeStruct
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if config.mixed_precision else js.MixedPrecisionPolicy()
+    policy = js.FullyShardPolicy(reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
     blocks = js.fully_shard({"w": sds((2, 256, 512), jnp.float32), "v": sds((2, 512, 256), jnp.float32)}, mesh,
-                            js.FullyShardPolicy(scan_axis=0))
-    params = js.fully_shard({"blocks": blocks, "head": sds((256, 128), jnp.float32)}, mesh)
+                            dataclasses.replace(policy, scan_axis=0))
+    params = js.fully_shard({"blocks": blocks, "head": sds((256, 128), jnp.float32)}, mesh, policy)
 
     def loss_fn(p, x):
         h, _ = js.scan(lambda h, layer: (h + jax.nn.gelu(h @ layer["w"]) @ layer["v"], None), x, p["blocks"])
         return jnp.mean((h @ js.unshard(p)["head"]) ** 2)
 
-    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False), donate_argnums=0)
-    return step, (params, sds((8 * mesh.size, 256), jnp.float32))
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=config.remat_policy()),
+                   donate_argnums=0)
+    return step, (params, sds((8 * config.batch_per_device * mesh.size, 256), jnp.float32))
 
 
 def test_plan_compiles_on_the_tpu_compiler_with_loop_counts_and_flops():
@@ -134,3 +139,29 @@ def test_a_two_slice_plan_shows_the_traffic_between_slices():
     grads = (2 * 2 * 256 * 512 * 4 + 256 * 128 * 4) / 4  # each device's gradient shards, fp32
     assert p.dcn_bytes >= grads  # every shard crosses the data-center network (plus the loss)
     assert "between slices (data-center network)" in str(p)
+
+
+def test_the_tpu_planning_commands_of_docs_planning_run(capsys):
+    """docs/planning.md's <!-- tpu-planning-commands -->, each on this file's small builder and a
+    small topology of the same generation (the pip line is what the test extra installs)."""
+    import pathlib
+    import re
+    import shlex
+
+    from jshard.report import main
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    block = re.search(r"<!-- tpu-planning-commands -->\s*```bash\n(.*?)```", text, re.S).group(1)
+    small = {"tpu:v5p-256": "tpu:v5p-8", "tpu:v6e:16x16": "tpu:v6e:2x2"}
+    commands = [line.split("#")[0].split() for line in block.splitlines() if "jshard.report" in line]
+    assert len(commands) == 3
+    for words in commands:
+        argv = [small.get(w, w).replace("pkg.module:build", "test_tpu_compiler:_mlp_builder") for w in words[3:]]
+        if argv[0] == "frontier":
+            argv += ["--batches", "1", "--remats", "default", "--reshard-after-forward", "true",
+                     "--mixed-precision", "true"]
+        main(argv)
+        out = capsys.readouterr().out
+        assert "compiled for tpu" in out or "frontier" in out, shlex.join(argv)
+        if "--slices" in argv:
+            assert "between slices (data-center network)" in out
