@@ -117,7 +117,7 @@ def _loss(m: Model, run_blocks: Callable[..., Any], params: Any, batch: jax.Arra
     if m.kind == "transformer":
         return T.lm_loss(params, batch, _transformer_config(m), run_blocks, remat)
     body = jax.checkpoint(_mlp_layer) if remat == "checkpoint" else _mlp_layer
-    h, _ = run_blocks(body, batch.astype(jax.tree.leaves(params["blocks"])[0].dtype), params["blocks"])
+    h, _ = run_blocks(body, batch.astype(jnp.bfloat16 if m.bf16 else jnp.float32), params["blocks"])
     return jnp.mean(h.astype(jnp.float32) ** 2)
 
 
@@ -194,9 +194,9 @@ def measure(m: Model, mesh: Mesh) -> dict[str, dict[str, float]]:
 def models(quick: bool) -> list[Model]:
     if quick:
         return [Model("tanh", False, 4, 256, 64), Model("gelu", True, 4, 256, 64, remat=False, bf16=True)]
-    mlps = [Model(kind, stacked, 6, width * (3 if kind == "tanh" else 1), batch, remat, bf16)
-            for kind, stacked, width, batch, remat, bf16 in itertools.product(
-                ("tanh", "gelu"), (True, False), (512, 1536), (64, 512), (True, False), (False, True))]
+    mlps = [Model(kind, stacked, layers, width, batch, remat, bf16)
+            for kind, stacked, (layers, width, batch), remat, bf16 in itertools.product(
+                ("tanh", "gelu"), (True, False), ((4, 512, 64), (8, 1536, 512)), (True, False), (False, True))]
     transformers = [Model("transformer", stacked, layers, width, batch, remat)
                     for stacked, (layers, width), batch, remat in itertools.product(
                         (True, False), ((4, 128), (8, 256)), (16, 64), (True, False))]

@@ -45,10 +45,13 @@ def test_quick_memory_sweep(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     models = json.loads((tmp_path / "memory_sweep.json").read_text())["models"]
-    assert {(m["stacked"], m["kind"]) for m in models} == {(True, "mlp"), (False, "mlp")}
+    assert {(m["kind"], m["stacked"], m["remat"], m["bf16"]) for m in models} == {
+        ("tanh", False, True, False), ("gelu", True, False, True)}
     for m in models:
-        peaks = m["peak_bytes"]
-        assert peaks["jshard"] <= peaks["recipe"], m["name"]  # same activation recomputation as the recipe
+        assert set(m["peak_bytes"]) == set(m["flops"]) == {"recipe", "constrained", "jshard"}, m["name"]
+        assert 0 < m["flops"]["jshard"] <= m["flops"]["recipe"], m["name"]  # recompute once: no more than the recipe
+    unrolled = next(m for m in models if not m["stacked"])["peak_bytes"]
+    assert unrolled["jshard"] <= min(unrolled["recipe"], unrolled["constrained"])  # one layer gathered at a time
 
 
 def test_accelerator_benchmark_dry_run_on_cpu(capsys):
