@@ -11,6 +11,7 @@ plan|frontier|scaling`` runs them from the command line (docs/planning.md).
 from jshard._plan.cli import main as main
 from jshard._plan.estimate import Estimate as Estimate
 from jshard._plan.estimate import estimate as estimate
+from jshard._plan.failure import PlanTargetError as PlanTargetError
 from jshard._plan.frontier import Frontier as Frontier
 from jshard._plan.frontier import FrontierRow as FrontierRow
 from jshard._plan.frontier import frontier as frontier
@@ -44,6 +45,7 @@ __all__ = [
     "Memory",
     "Plan",
     "PlanConfig",
+    "PlanTargetError",
     "Report",
     "Scaling",
     "StepCollective",

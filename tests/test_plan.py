@@ -1,6 +1,7 @@
 """Planning a user's step on a mesh of any size, compile only: plans, frontier, scaling, the command line."""
 
 import json
+import os
 import pathlib
 import re
 import resource
@@ -163,6 +164,36 @@ def test_command_line_reports_errors_without_tracebacks(capsys):
     assert exit_.value.code == 2 and err.startswith("python -m jshard.report plan: Plan target") and "build_2b" in err
     with pytest.raises(SystemExit, match="--remats takes policies"):
         main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus"])
+
+
+_BROKEN_TARGETS = """
+def build_raises(mesh, config):
+    raise RuntimeError("my model is broken")
+"""
+
+
+@pytest.mark.parametrize("target", ["no_such_package.models:build", "broken_targets:build_2b",
+                                    "broken_targets:build_raises"])
+def test_a_broken_target_is_one_line_and_exit_2_in_a_planning_process_as_here(target, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """8 devices plan here, 16 in a planning process: the same line, the same code; where only on request."""
+    (tmp_path / "broken_targets.py").write_text(_BROKEN_TARGETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    said = {}
+    for devices in ("8", "16"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", target, "--devices", devices])
+        said[devices] = (exit_.value.code, capsys.readouterr().err)
+    assert said["16"] == said["8"], said
+    code, err = said["8"]
+    assert code == 2 and err.count("\n") == 1 and err.startswith("python -m jshard.report plan: ")
+    if target.endswith("build_raises"):
+        assert "raised RuntimeError while building or tracing its step: my model is broken" in err
+        with pytest.raises(SystemExit):
+            main(["plan", target, "--devices", "16", "--traceback"])
+        err = capsys.readouterr().err
+        assert err.startswith(said["8"][1]) and 'broken_targets.py", line 3, in build_raises' in err
 
 
 def test_command_line_searches_the_frontier(capsys):

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from jshard._plan.failure import hand_to_parent, traceback_text
 from jshard._plan.frontier import frontier, frontier_to_dict
 from jshard._plan.hardware import HARDWARE, HardwareProfile, parse_bytes, profile
 from jshard._plan.planner import plan
@@ -40,6 +41,7 @@ def _mesh_flags(parser: argparse.ArgumentParser, devices_type=int, default=64) -
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="size of a 'tp' mesh axis (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--traceback", action="store_true", help="after an error, print where it was raised")
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
@@ -123,8 +125,11 @@ def main(argv: list[str] | None = None) -> None:
                 result.plot(args.png)
             print(json.dumps({"plans": [p.to_dict() for p in result.plans], "sharded": result.sharded,
                               "constant": result.constant}) if args.json else result)
-    except ValueError as err:
+    except ValueError as err:  # the target's or the options' fault: one line ([Note: planning errors])
         print(f"python -m jshard.report {args.command}: {err}", file=sys.stderr)
+        if args.traceback:
+            print(traceback_text(err), file=sys.stderr, end="")
+        hand_to_parent(err)
         raise SystemExit(2) from err
 
 
