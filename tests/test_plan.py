@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jshard as js
+from jshard._plan.frontier import frontier_from_dict
 from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, main, parse_bytes, plan, scaling
 
 
@@ -197,12 +198,26 @@ def test_a_broken_target_is_one_line_and_exit_2_in_a_planning_process_as_here(ta
 
 
 def test_command_line_searches_the_frontier(capsys):
-    """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier`` here,
-    ``plan --json`` in every 16-device plan above (a planning process runs it), ``scaling`` in the slow run."""
-    main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2",
-          "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true"])
-    out = capsys.readouterr().out
-    assert "out-of-memory frontier on Google TPU v6e" in out and "best: batch 2/device" in out
+    """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier --json`` here
+    (a first answer: fp32 is not compiled), ``plan --json`` in every 16-device plan above (a planning process runs
+    it), ``scaling`` in the slow run. The JSON carries what the text shows: the ranking, estimates, reasoning."""
+    main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2,4",
+          "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "both", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    rows = data["rows"]
+    assert [r["plan"]["config"]["batch_per_device"] for r in rows] == [2, 4] and all(r["fits"] for r in rows)
+    assert data["ranking"] == [1, 0] and [r["rank"] for r in rows] == [2, 1]  # more samples per step: faster
+    speeds = [rows[i]["estimate"]["samples_per_second"] for i in data["ranking"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for r in rows:
+        e = r["estimate"]
+        assert e["step"] == pytest.approx(e["compute"] + e["exposed"]) and 0 < e["compute_share"] <= 1
+        assert e["reasoning"][0].startswith("compute:") and e["reasoning"][-1].startswith("step ")
+    assert not data["full"] and {s["kind"] for s in data["skipped"]} == {"fp32"} and len(data["skipped"]) == 2
+    text = str(frontier_from_dict(data))  # what the command prints without --json
+    assert "out-of-memory frontier on Google TPU v6e" in text and "best: batch 4/device" in text
+    assert "2 of the grid's configurations not compiled (2 fp32" in text and "--full compiles" in text
+    assert all(f"  {why}" in text for why in rows[1]["estimate"]["reasoning"])
 
 
 @pytest.mark.slow

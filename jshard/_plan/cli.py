@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--reshard-after-forward", choices=sorted(_CHOICE), default="both")
     search.add_argument("--mixed-precision", choices=sorted(_CHOICE), default="both")
     search.add_argument("--offload", choices=sorted(_CHOICE), default="false")
+    search.add_argument("--full", action="store_true",
+                        help="compile the whole grid (default: a first answer, pruned from what was compiled)")
     search.add_argument("--hardware-json", help=argparse.SUPPRESS)
     search.add_argument("--grid", help=argparse.SUPPRESS)
     scale = sub.add_parser("scaling", help="per-device memory for several mesh sizes, with a PNG plot")
@@ -96,7 +98,8 @@ def _frontier(args: argparse.Namespace):
         if bad or not remats:
             raise SystemExit(f"--remats takes policies of {REMATS} separated by commas, got {args.remats!r}.")
         grid = {"batches": args.batches, "reshard_after_forward": _CHOICE[args.reshard_after_forward],
-                "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload]}
+                "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload],
+                "full": args.full}
     return frontier(_target(args), devices=args.devices, budget=parse_bytes(args.hbm), hardware=hardware,
                     replicate=args.replicate, tensor_parallel=args.tensor_parallel, **grid)
 
