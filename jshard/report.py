@@ -9,6 +9,7 @@ plan|frontier|scaling`` runs them from the command line (docs/planning.md).
 """
 
 from jshard._plan.cli import main as main
+from jshard._plan.compiler import CompileTarget as CompileTarget
 from jshard._plan.estimate import Estimate as Estimate
 from jshard._plan.estimate import estimate as estimate
 from jshard._plan.failure import PlanTargetError as PlanTargetError
@@ -38,6 +39,7 @@ from jshard._report.step_collectives import step_collectives as step_collectives
 from jshard._report.step_collectives import wire_bytes_by_kind as wire_bytes_by_kind
 
 __all__ = [
+    "CompileTarget",
     "HARDWARE",
     "Estimate",
     "Frontier",

@@ -1,10 +1,18 @@
-"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks."""
+"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks,
+the GSPMD recipe's recomputation."""
 
 from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jshard as js
+from jshard.report import Memory, matmul_flops
 
 
 def torch_chunks(x: np.ndarray, n: int, dim: int) -> list[np.ndarray]:
@@ -71,3 +79,25 @@ def run_nnx_blocks(blocks, x, scan: bool):
     for block in blocks:
         x = block(x)
     return x
+
+
+def recipe_and_jshard_flops(mesh, policy, layers=4, width=256, batch=64):
+    """Matmul FLOPs (and the steps' peaks) per device of a stacked tanh MLP's step: the GSPMD recipe with
+    ``jax.checkpoint(layer, policy)`` in a ``lax.scan``, and jshard with ``remat_policy=policy``."""
+    sds = jax.ShapeDtypeStruct
+    params = {"w": sds((layers, width, width), jnp.float32), "b": sds((layers, width), jnp.float32)}
+    x = sds((batch, width), jnp.float32)
+
+    def layer(h, w):
+        return jnp.tanh(h @ w["w"] + w["b"]), None
+
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P(None, "fsdp")), params)
+    recipe_loss = lambda p, x: jnp.mean(jax.lax.scan(jax.checkpoint(layer, policy=policy), x, p)[0] ** 2)  # noqa: E731
+    recipe = jax.jit(jax.value_and_grad(recipe_loss), in_shardings=(shardings, NamedSharding(mesh, P("fsdp"))),
+                     out_shardings=(NamedSharding(mesh, P()), shardings))
+    units = js.fully_shard({"stack": js.fully_shard(params, mesh, js.FullyShardPolicy(scan_axis=0))}, mesh)
+    ours = jax.jit(js.value_and_grad(lambda p, x: jnp.mean(js.scan(layer, x, p["stack"])[0] ** 2),
+                                     unshard_params=False, remat_policy=policy))
+    compiled = {"recipe": recipe.lower(params, x).compile(), "jshard": ours.lower(units, x).compile()}
+    return {k: matmul_flops(c.as_text()) for k, c in compiled.items()} | {
+        f"{k} peak": Memory.from_compiled(c).peak for k, c in compiled.items()}

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from jshard._plan.compiler import CompileTarget
 from jshard._plan.failure import hand_to_parent, traceback_text
 from jshard._plan.frontier import frontier, frontier_to_dict
 from jshard._plan.hardware import HARDWARE, HardwareProfile, parse_bytes, profile
@@ -38,6 +39,10 @@ def _mesh_flags(parser: argparse.ArgumentParser, devices_type=int, default=64) -
     parser.add_argument("target", nargs="?", help="the builder, pkg.module:build (default: the demo's 1b model)")
     parser.add_argument("--size", choices=_SIZES, help="plan the demo's transformer of this size instead")
     parser.add_argument("--devices", type=devices_type, default=default)
+    parser.add_argument("--target", dest="compile_target", metavar="COMPILER",
+                        help="cpu:N (simulated devices, the default) or a TPU topology, e.g. tpu:v5p-256, "
+                             "tpu:v6e:4x4 (XLA:TPU, compile only; needs jshard[tpu])")
+    parser.add_argument("--slices", type=int, default=1, help="slices of the TPU topology (default 1)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="size of a 'tp' mesh axis (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -66,10 +71,10 @@ def parser() -> argparse.ArgumentParser:
                                   description="Plan a training step on a mesh of any size, compile only.")
     sub = top.add_subparsers(dest="command", required=True)
     one = sub.add_parser("plan", help="per-device memory and collectives of one configuration")
-    _mesh_flags(one)
+    _mesh_flags(one, default=None)
     _config_flags(one)
     search = sub.add_parser("frontier", help="the configurations that fit a memory budget, ranked")
-    _mesh_flags(search)
+    _mesh_flags(search, default=None)
     search.add_argument("--hbm", required=True, help="per-device budget, e.g. 80GiB")
     search.add_argument("--hardware", choices=sorted(HARDWARE), default="h100")
     search.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16], help="batches per device to try")
@@ -101,7 +106,15 @@ def _frontier(args: argparse.Namespace):
                 "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload],
                 "full": args.full}
     return frontier(_target(args), devices=args.devices, budget=parse_bytes(args.hbm), hardware=hardware,
-                    replicate=args.replicate, tensor_parallel=args.tensor_parallel, **grid)
+                    replicate=args.replicate, tensor_parallel=args.tensor_parallel, target=_compiler(args), **grid)
+
+
+def _compiler(args: argparse.Namespace) -> CompileTarget | None:
+    if args.compile_target is None:
+        if args.slices != 1:
+            raise ValueError("--slices needs a TPU --target (e.g. --target tpu:v5p-256 --slices 2).")
+        return None
+    return CompileTarget.parse(args.compile_target, args.slices)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,12 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "plan":
             result = plan(_target(args), devices=args.devices, replicate=args.replicate,
-                          tensor_parallel=args.tensor_parallel, config=_config(args))
+                          tensor_parallel=args.tensor_parallel, config=_config(args), target=_compiler(args))
             print(json.dumps(result.to_dict()) if args.json else result)
         elif args.command == "frontier":
             result = _frontier(args)
             print(json.dumps(frontier_to_dict(result)) if args.json else result)
         else:
+            if args.compile_target is not None:
+                raise ValueError("scaling plans on simulated CPU devices (N varies); plan a TPU topology "
+                                 "size by size with `plan --target tpu:<generation>-<size>`.")
             result = scaling(_target(args), args.devices, replicate=args.replicate,
                              tensor_parallel=args.tensor_parallel, config=_config(args))
             if args.png:

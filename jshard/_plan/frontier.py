@@ -21,9 +21,10 @@ from typing import Any
 
 import jax
 
+from jshard._plan.compiler import CompileTarget
 from jshard._plan.estimate import Estimate, estimate
 from jshard._plan.hardware import HardwareProfile
-from jshard._plan.planner import Plan, plan_here, plan_mesh, run_in_devices
+from jshard._plan.planner import Plan, compile_target, plan_here, plan_mesh, run_in_devices
 from jshard._plan.search import FrontierRow, Grid, Skipped, first_answer, full_grid
 from jshard._plan.target import REMATS, PlanConfig, spec_of
 
@@ -69,7 +70,8 @@ class Frontier:
         if ranked:
             lines += ["", f"best: {ranked[0].plan.config.describe()}, because"]
             lines += [f"  {why}" for why in ranked[0].estimate.reasoning]
-        return "\n".join(lines + ["", CPU_CAVEAT])
+        on_cpu = any(r.plan.platform == "cpu" for r in self.rows)
+        return "\n".join(lines + (["", CPU_CAVEAT] if on_cpu else []))
 
     def _search_lines(self) -> list[str]:
         if self.full:
@@ -80,17 +82,18 @@ class Frontier:
                 "--full compiles the whole grid"]
 
 
-def frontier(build: Callable[..., Any] | str, *, devices: int, budget: float, hardware: HardwareProfile,
+def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, budget: float, hardware: HardwareProfile,
              replicate: int = 1, tensor_parallel: int = 1, batches: Sequence[int] = (1, 2, 4, 8, 16),
              reshard_after_forward: Sequence[bool] = (True, False), remats: Sequence[str] = REMATS,
              mixed_precision: Sequence[bool] = (True, False), offload: Sequence[bool] = (False,),
-             full: bool = False) -> Frontier:
+             target: str | CompileTarget | None = None, full: bool = False) -> Frontier:
     """Search the configurations of ``build`` that fit ``budget`` bytes per device, compile only.
 
     By default a first answer: only what can change the ranking's top is compiled, judged from
     what has been compiled ([Note: frontier search]); ``full=True`` compiles every combination.
     With fewer devices here than ``devices``, the search runs in one subprocess with that
-    many simulated CPU devices (as :func:`plan` does). See [Note: frontier].
+    many simulated CPU devices (as :func:`plan` does); ``target`` plans on another compiler
+    (``"tpu:v5p-256"``: see [Note: compile target]). See [Note: frontier].
 
     Example:
       >>> import jshard as js
@@ -101,13 +104,15 @@ def frontier(build: Callable[..., Any] | str, *, devices: int, budget: float, ha
       ([(64, False)], [])
     """
     grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload))
-    if len(jax.devices()) < devices:
+    where = compile_target(target, devices)
+    devices = where.devices
+    if where.platform == "cpu" and len(jax.devices()) < devices:
         argv = ["frontier", spec_of(build), "--devices", str(devices), "--replicate", str(replicate),
                 "--tensor-parallel", str(tensor_parallel), "--hbm", str(budget), "--hardware-json",
                 json.dumps(dataclasses.asdict(hardware)), "--grid", json.dumps({**dataclasses.asdict(grid),
                                                                                   "full": full})]
         return frontier_from_dict(run_in_devices(argv, devices))
-    mesh = plan_mesh(devices, replicate, tensor_parallel)
+    mesh = plan_mesh(devices, replicate, tensor_parallel, where.tpu_devices() if where.platform == "tpu" else None)
 
     def compile_one(config: PlanConfig) -> FrontierRow:
         planned = plan_here(build, config, mesh)

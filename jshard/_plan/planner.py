@@ -30,6 +30,7 @@ import jax
 from jax.sharding import AxisType
 
 from jshard._plan.buffers import Buffer, buffer_lines, dump_flag, largest_temporaries
+from jshard._plan.compiler import CompileTarget
 from jshard._plan.failure import ERROR_FILE_ENV, from_planning_process, target_raised
 from jshard._plan.target import PlanConfig, call_build, load_build, spec_of
 from jshard._report.flops import matmul_flops
@@ -37,17 +38,19 @@ from jshard._report.report import Report, format_report, report_compiled
 from jshard._sharding.mesh import make_mesh
 
 
-def plan_mesh(devices: int, replicate: int = 1, tensor_parallel: int = 1) -> jax.sharding.Mesh:
-    """The planning mesh on this process's first ``devices`` devices.
+def plan_mesh(devices: int, replicate: int = 1, tensor_parallel: int = 1,
+              pool: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """The planning mesh on the first ``devices`` devices of ``pool`` (this process's by default).
 
     :func:`jshard.make_mesh`'s (``("fsdp",)``, or ``("replicate", "fsdp")`` with
     ``replicate > 1``); with ``tensor_parallel > 1`` a trailing ``"tp"`` axis of that
     size, every axis Auto (GSPMD's tensor parallelism, as the demo's ``--tensor-parallel``).
     """
-    if devices < 1 or devices % (replicate * tensor_parallel) or devices > len(jax.devices()):
+    pool = list(jax.devices() if pool is None else pool)
+    if devices < 1 or devices % (replicate * tensor_parallel) or devices > len(pool):
         raise ValueError(f"replicate={replicate} x tensor_parallel={tensor_parallel} must divide the {devices} "
-                         f"devices of the plan (this process has {len(jax.devices())}); choose divisors of it.")
-    chosen = jax.devices()[:devices]
+                         f"devices of the plan (there are {len(pool)}); choose divisors of it.")
+    chosen = pool[:devices]
     if tensor_parallel == 1:
         return make_mesh(replicate=replicate, devices=chosen)
     shape = {"replicate": replicate, "fsdp": devices // (replicate * tensor_parallel), "tp": tensor_parallel}
@@ -202,8 +205,21 @@ def config_args(config: PlanConfig) -> list[str]:
     return ["--config", json.dumps(dataclasses.asdict(config))]
 
 
-def plan(build: Callable[..., Any] | str, *, devices: int = 64, replicate: int = 1, tensor_parallel: int = 1,
-         config: PlanConfig | None = None) -> Plan:
+def compile_target(target: str | CompileTarget | None, devices: int | None) -> CompileTarget:
+    """The :class:`CompileTarget` of a plan: ``target`` (a name such as ``"tpu:v5p-256"``), or
+    ``devices`` simulated CPU devices (64 when neither is given)."""
+    if target is None:
+        return CompileTarget("cpu", 64 if devices is None else devices)
+    target = CompileTarget.parse(target) if isinstance(target, str) else target
+    if devices is not None and devices != target.devices:
+        raise ValueError(f"The target {target.describe()} has {target.devices} devices, not devices={devices}; "
+                         "give one of them.")
+    return target
+
+
+def plan(build: Callable[..., Any] | str, *, devices: int | None = None, replicate: int = 1,
+         tensor_parallel: int = 1, config: PlanConfig | None = None,
+         target: str | CompileTarget | None = None) -> Plan:
     """Compile a step for a mesh of ``devices`` and report it per device, nothing allocated.
 
     ``build(mesh)`` or ``build(mesh, config)`` returns ``(step, args)``: the training step
@@ -216,16 +232,23 @@ def plan(build: Callable[..., Any] | str, *, devices: int = 64, replicate: int =
 
     Args:
       build: the builder or its name.
-      devices: devices in the mesh.
-      replicate: ``R > 1`` plans HSDP with ``R`` replicas.
+      devices: devices in the mesh (64 when no ``target`` says otherwise).
+      replicate: ``R > 1`` plans HSDP with ``R`` replicas (across slices first).
       tensor_parallel: ``T > 1`` adds a ``"tp"`` axis of size ``T`` (the builder places
         its tensor-parallel leaves on it).
       config: the :class:`PlanConfig` handed to the builder.
+      target: the compiler to plan on ([Note: compile target]): ``"cpu:N"`` (the default,
+        N simulated CPU devices) or a TPU topology such as ``"tpu:v5p-256"``, compiled by
+        XLA:TPU in this process, without a TPU.
 
     Returns:
       A :class:`Plan`; ``print(plan)`` shows the table.
     """
     config = config or PlanConfig()
+    where = compile_target(target, devices)
+    devices = where.devices
+    if where.platform == "tpu":
+        return plan_here(build, config, plan_mesh(devices, replicate, tensor_parallel, where.tpu_devices()))
     if len(jax.devices()) >= devices:
         return plan_here(build, config, plan_mesh(devices, replicate, tensor_parallel))
     argv = ["plan", spec_of(build), "--devices", str(devices), "--replicate", str(replicate),

@@ -4,7 +4,9 @@
 0.10.2: a 4-layer ``lax.scan`` reported one layer's FLOPs), so a ``js.scan`` stack would
 look 1/L as expensive as it is. Here every ``dot`` counts ``2 · |result| · |contracted|``
 times the executions of its computation per step (the same call graph that counts
-collectives). Recomputation under remat is in the compiled program, so it is counted;
+collectives). XLA:TPU writes its matmuls as ``convolution`` ops (``dim_labels=bf_io->bf``):
+each counts ``2 · |result| · |lhs feature dim| · |kernel window|`` the same way.
+Recomputation under remat is in the compiled program, so it is counted;
 element-wise work is not (it is memory-bound and small beside the matmuls of a
 transformer).
 """
@@ -21,6 +23,12 @@ _DEFINITION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [a-z]+\d*\[([\d,]*)\]")
 _DOT = re.compile(
     r"^\s*(?:ROOT )?%?[\w.\-]+ = [a-z]+\d*\[([\d,]*)\]\S* dot\(%?([\w.\-]+),.*?lhs_contracting_dims=\{([\d,]*)\}"
 )
+
+_CONVOLUTION = re.compile(
+    r"^\s*(?:ROOT )?%?[\w.\-]+ = [a-z]+\d*\[([\d,]*)\]\S* convolution\(%?([\w.\-]+), %?([\w.\-]+)\)"
+    r".*?dim_labels=([\w]+)_([\w]+)->"
+)
+_GROUPS = re.compile(r"feature_group_count=(\d+)")
 
 
 def _dims(text: str) -> list[int]:
@@ -50,10 +58,26 @@ def matmul_flops(hlo_text: str) -> float:
         if header:
             current = header.group(1)
             continue
-        dot = _DOT.match(line)
-        if dot is None:
+        dot, conv = _DOT.match(line), _CONVOLUTION.match(line)
+        if dot:
+            lhs = shapes.get(dot.group(2), [])
+            contracted = math.prod(lhs[d] for d in _dims(dot.group(3)) if d < len(lhs))
+            result = dot.group(1)
+        elif conv:
+            contracted = _convolution_contracted(line, conv, shapes)
+            result = conv.group(1)
+        else:
             continue
-        lhs = shapes.get(dot.group(2), [])
-        contracted = math.prod(lhs[d] for d in _dims(dot.group(3)) if d < len(lhs))
-        total += 2.0 * math.prod(_dims(dot.group(1))) * contracted * counts.get(current, (1, None))[0]
+        total += 2.0 * math.prod(_dims(result)) * contracted * counts.get(current, (1, None))[0]
     return total
+
+
+def _convolution_contracted(line: str, conv: re.Match, shapes: dict[str, list[int]]) -> float:
+    """Products summed per result element: the lhs feature dim times the kernel's window."""
+    lhs, rhs = shapes.get(conv.group(2), []), shapes.get(conv.group(3), [])
+    lhs_labels, rhs_labels = conv.group(4), conv.group(5)
+    if len(lhs) != len(lhs_labels) or len(rhs) != len(rhs_labels):
+        return 0.0
+    window = math.prod(size for label, size in zip(rhs_labels, rhs, strict=True) if label.isdigit())
+    groups = _GROUPS.search(line)
+    return lhs[lhs_labels.index("f")] * window / (int(groups.group(1)) if groups else 1)

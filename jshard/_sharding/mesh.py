@@ -7,7 +7,9 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
 
 from jshard._sharding.policies import DataParallelMeshDims, FullyShardPolicy
 
@@ -17,7 +19,12 @@ def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None
 
     Args:
       replicate: ``1`` gives a 1-D mesh with axis ``"fsdp"``; ``R > 1`` gives a 2-D
-        HSDP mesh with axes ``("replicate", "fsdp")`` and shape ``(R, N // R)``.
+        HSDP mesh with axes ``("replicate", "fsdp")`` and shape ``(R, N // R)``. Over
+        devices of several TPU slices, ``R`` is a multiple of the number of slices and
+        ``"replicate"`` runs across them, so that each FSDP group stays inside one slice
+        (its all-gathers and reduce-scatters on the fast links, as
+        ``mesh_utils.create_hybrid_device_mesh`` arranges); ``R = 1`` there spans the
+        slices with one ``"fsdp"`` axis, every gather crossing the data-center network.
       devices: the devices to use (default: ``jax.devices()``).
 
     Returns:
@@ -38,9 +45,35 @@ def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None
         raise ValueError(
             f"`replicate={replicate}` does not divide the {n} devices; choose a divisor of {n}."
         )
+    slices = len({slice_of(d) for d in devices})
+    if slices > 1:
+        return _multi_slice_mesh(devices, replicate, slices)
     if replicate == 1:
         return jax.make_mesh((n,), ("fsdp",), devices=devices)
     return jax.make_mesh((replicate, n // replicate), ("replicate", "fsdp"), devices=devices)
+
+
+def slice_of(device: jax.Device) -> int:
+    """The TPU slice a device belongs to (0 for devices without ``slice_index``)."""
+    return int(getattr(device, "slice_index", 0) or 0)
+
+
+def _multi_slice_mesh(devices: list[jax.Device], replicate: int, slices: int) -> Mesh:
+    """``("replicate", "fsdp")`` with ``replicate`` across slices: FSDP never leaves a slice
+    (``replicate=1``: one ``"fsdp"`` axis over every slice, in slice order)."""
+    n = len(devices)
+    if replicate == 1:
+        grid = mesh_utils.create_hybrid_device_mesh((n // slices,), (slices,), devices)
+        return Mesh(np.asarray(grid), ("fsdp",), axis_types=(AxisType.Explicit,))
+    if replicate % slices:
+        raise ValueError(
+            f"The {n} devices span {slices} slices: `replicate` must be a multiple of {slices} so that each "
+            f"FSDP group stays inside one slice (got replicate={replicate}); use make_mesh(replicate={slices}), or "
+            "replicate=1 for one FSDP group over all of them."
+        )
+    per_slice = replicate // slices
+    grid = mesh_utils.create_hybrid_device_mesh((per_slice, n // replicate), (slices, 1), devices)
+    return Mesh(np.asarray(grid), ("replicate", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
 
 
 @dataclasses.dataclass(frozen=True)

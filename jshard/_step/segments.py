@@ -48,17 +48,55 @@ forward gather, which it follows at once anyway.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.extend import core as jcore
 
-from jshard._step.remat import GATHER_START, depend
+from jshard._step.remat import FREE, GATHER_START, depend
 
 
 def _is_start(eqn: Any) -> bool:
     return eqn.primitive.name == "name" and eqn.params.get("name") == GATHER_START
+
+
+@functools.cache
+def _checkpoint_primitive() -> Any:
+    """The primitive ``jax.checkpoint`` binds (its name differs across jax versions)."""
+    return jax.make_jaxpr(jax.checkpoint(lambda x: x))(0.0).eqns[0].primitive
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    found = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, jcore.Jaxpr):
+                found.append(v)
+    return found
+
+
+def frees_outside_checkpoints(jaxpr: Any) -> bool:
+    """Whether a gathered value is freed (named :data:`FREE`) outside every ``jax.checkpoint``
+    of ``jaxpr``: only then does the step need a checkpoint of its own around the loss.
+
+    [Note: recompute once] Layers under :func:`jshard.scan` are checkpointed per iteration
+    with the step's policy. A checkpoint around the whole loss would apply its policy to
+    them too (the outermost policy decides) and, under a policy that saves nothing, recompute
+    the whole forward scan in backward before each iteration recomputes its layer again: the
+    forward three times where ``jax.checkpoint(layer)`` in a ``lax.scan`` runs it twice. So the
+    loss is checkpointed as a whole only where a unit gathered outside those bodies must be
+    freed (``reshard_after_forward`` of a unit gathered at the top level).
+    """
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name" and eqn.params.get("name") == FREE:
+            return True
+        if eqn.primitive is not _checkpoint_primitive() and any(frees_outside_checkpoints(j) for j in _sub_jaxprs(eqn)):
+            return True
+    return False
 
 
 class _Segment:
@@ -172,7 +210,8 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
     """``fn`` (whose first ``n_params`` flat arguments are shards) cut at unit boundaries.
 
     With one segment it is ``jax.checkpoint(fn, policy=policy)`` as before (of the jaxpr
-    already traced: ``fn`` runs once, whatever its trace-time side effects).
+    already traced: ``fn`` runs once, whatever its trace-time side effects), or ``fn`` itself
+    where nothing gathered outside a checkpoint is freed ([Note: recompute once]).
     """
 
     def run(*args: Any) -> Any:
@@ -181,8 +220,10 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
         pieces = _split(jaxpr.eqns, set(jaxpr.invars[:n_params]) | set(jaxpr.constvars))
         flat_args = jax.tree.leaves(args)
         if len(pieces) <= 1:
-            flat = jax.checkpoint(jcore.jaxpr_as_fun(closed), policy=policy)(*flat_args)
-            return jax.tree.unflatten(jax.tree.structure(shape), flat)
+            whole = jcore.jaxpr_as_fun(closed)
+            if frees_outside_checkpoints(jaxpr):  # see [Note: recompute once]
+                whole = jax.checkpoint(whole, policy=policy)
+            return jax.tree.unflatten(jax.tree.structure(shape), whole(*flat_args))
         segments = [_Segment(p) for p in pieces]
         _wire(segments, jaxpr)
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
