@@ -199,25 +199,29 @@ def test_a_broken_target_is_one_line_and_exit_2_in_a_planning_process_as_here(ta
 
 def test_command_line_searches_the_frontier(capsys):
     """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier --json`` here
-    (a first answer: fp32 is not compiled), ``plan --json`` in every 16-device plan above (a planning process runs
-    it), ``scaling`` in the slow run. The JSON carries what the text shows: the ranking, estimates, reasoning."""
+    (a first answer: remat full starts at the batch remat default fits), ``plan --json`` in every 16-device plan
+    above (a planning process runs it), ``scaling`` in the slow run. The JSON carries what the text shows: the
+    ranking, the step-time estimates with their parts and reasoning, and what was skipped."""
     main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2,4",
-          "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "both", "--json"])
+          "--remats", "default,full", "--reshard-after-forward", "true", "--mixed-precision", "true", "--json"])
     data = json.loads(capsys.readouterr().out)
     rows = data["rows"]
-    assert [r["plan"]["config"]["batch_per_device"] for r in rows] == [2, 4] and all(r["fits"] for r in rows)
-    assert data["ranking"] == [1, 0] and [r["rank"] for r in rows] == [2, 1]  # more samples per step: faster
+    assert [(r["plan"]["config"]["remat"], r["plan"]["config"]["batch_per_device"]) for r in rows] == [
+        ("default", 2), ("default", 4), ("full", 4)] and all(r["fits"] for r in rows)
+    assert [(s["config"]["remat"], s["config"]["batch_per_device"], s["kind"]) for s in data["skipped"]] == [
+        ("full", 2, "smaller batch")] and not data["full"]
     speeds = [rows[i]["estimate"]["samples_per_second"] for i in data["ranking"]]
-    assert speeds == sorted(speeds, reverse=True)
+    assert sorted(data["ranking"]) == [0, 1, 2] and speeds == sorted(speeds, reverse=True)
+    assert [rows[i]["rank"] for i in data["ranking"]] == [1, 2, 3]
     for r in rows:
         e = r["estimate"]
         assert e["step"] == pytest.approx(e["compute"] + e["exposed"]) and 0 < e["compute_share"] <= 1
         assert e["reasoning"][0].startswith("compute:") and e["reasoning"][-1].startswith("step ")
-    assert not data["full"] and {s["kind"] for s in data["skipped"]} == {"fp32"} and len(data["skipped"]) == 2
+    best = rows[data["ranking"][0]]
     text = str(frontier_from_dict(data))  # what the command prints without --json
     assert "out-of-memory frontier on Google TPU v6e" in text and "best: batch 4/device" in text
-    assert "2 of the grid's configurations not compiled (2 fp32" in text and "--full compiles" in text
-    assert all(f"  {why}" in text for why in rows[1]["estimate"]["reasoning"])
+    assert "1 of the grid's configurations not compiled (1 smaller batch" in text and "--full compiles" in text
+    assert all(f"  {why}" in text for why in best["estimate"]["reasoning"])
 
 
 @pytest.mark.slow

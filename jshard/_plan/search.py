@@ -4,22 +4,23 @@
 configuration for an 8B model on 256 devices), so by default it compiles only what can
 change the answer, from what it has compiled so far. It assumes what holds for a training
 step: peak memory does not fall when the batch grows, without resharding after forward,
-with a remat policy that keeps more (``full`` < ``dots`` < ``default``), in fp32 instead of
-bf16 parameters, or on device instead of offloaded; the samples per second of one setting
-do not fall when its batch grows (the collectives are the same per step), and its matmul
-FLOPs grow with the batch in proportion. Then:
+with a remat policy that keeps more (``full`` < ``dots`` < ``default``), or on device
+instead of offloaded; the samples per second of one setting do not fall when its batch
+grows (the collectives are the same per step); its matmul FLOPs grow with the batch in
+proportion and do not depend on the precision. (Memory is not assumed to fall with bf16
+parameters: on XLA:CPU a bf16 plan can hold more than the fp32 one, its collectives run in
+float32.) Then:
 
-- bf16 parameters (when the grid has both) need no more memory and run no slower than fp32:
-  fp32 is not searched;
 - a configuration that needs at least the memory of one past the budget is not compiled;
 - each setting climbs its batches from the largest known to fit (one that needs no more
   memory than a configuration that fits) to the first past the budget: smaller batches are
   not compiled;
 - a setting whose samples per second at the chip's peak FLOP/s (its FLOPs per sample from
-  any compiled configuration with its remat and precision, nothing exposed) cannot beat the
-  best found is not compiled;
-- settings are tried fastest first: resharding after forward (what large models need) before
-  not, then the remat that recomputes least, on device before offload.
+  any compiled configuration with its remat, nothing exposed) cannot beat the best found is
+  not compiled (fp32 on a GPU, whose fp32 rate is half its bf16 rate, once a bf16 setting
+  runs near its peak);
+- settings are tried fastest first: bf16 before fp32, resharding after forward (what large
+  models need) before not, then the remat that recomputes least, on device before offload.
 
 ``--full`` (``frontier(..., full=True)``) compiles the whole grid: every setting's batches in
 increasing order up to the first past the budget, which is also how the assumptions can be
@@ -53,7 +54,7 @@ class FrontierRow:
 class Skipped:
     """A configuration of the grid the first-answer search did not compile, and why.
 
-    ``kind`` is ``"fp32"``, ``"cannot fit"``, ``"smaller batch"`` or ``"cannot beat the best"``.
+    ``kind`` is ``"cannot fit"``, ``"smaller batch"`` or ``"cannot beat the best"``.
     """
 
     config: PlanConfig
@@ -74,12 +75,14 @@ class Grid:
 
 def _memory_order(config: PlanConfig) -> tuple[int, ...]:
     return (config.batch_per_device, int(not config.reshard_after_forward), _REMAT_KEEPS[config.remat],
-            int(not config.mixed_precision), int(not config.offload))
+            int(not config.offload))
 
 
 def needs_no_more_than(a: PlanConfig, b: PlanConfig) -> bool:
-    """Whether ``a`` needs no more memory than ``b`` by the search's assumptions (every setting no larger)."""
-    return all(x <= y for x, y in zip(_memory_order(a), _memory_order(b), strict=True))
+    """Whether ``a`` needs no more memory than ``b`` by the search's assumptions (same precision, every
+    other setting no larger)."""
+    return a.mixed_precision == b.mixed_precision and all(
+        x <= y for x, y in zip(_memory_order(a), _memory_order(b), strict=True))
 
 
 def full_grid(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid) -> tuple[list[FrontierRow], list]:
@@ -98,14 +101,11 @@ def first_answer(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid,
                  hardware: HardwareProfile) -> tuple[list[FrontierRow], list[Skipped]]:
     """Compile only what can change the answer ([Note: frontier search]); the rows and what was skipped."""
     rows: list[FrontierRow] = []
-    drop_fp32 = set(grid.mixed_precision) == {True, False}
-    precisions = (True,) if drop_fp32 else tuple(set(grid.mixed_precision))
-    skipped = [Skipped(PlanConfig(b, raf, remat, False, off), "fp32", "bf16 parameters need no more memory and "
-                       "run no slower") for raf, remat, off, b in itertools.product(
-                           grid.reshard_after_forward, grid.remats, grid.offload, grid.batches) if drop_fp32]
-    for raf, remat, mp, off in itertools.product(sorted(set(grid.reshard_after_forward), reverse=True),
+    skipped: list[Skipped] = []
+    for mp, raf, remat, off in itertools.product(sorted(set(grid.mixed_precision), reverse=True),
+                                                 sorted(set(grid.reshard_after_forward), reverse=True),
                                                  sorted(set(grid.remats), key=_REMAT_KEEPS.get, reverse=True),
-                                                 precisions, sorted(set(grid.offload))):
+                                                 sorted(set(grid.offload))):
         configs = [PlanConfig(b, raf, remat, mp, off) for b in sorted(set(grid.batches))]
         fit = [i for i, c in enumerate(configs) if any(r.fits and needs_no_more_than(c, r.plan.config) for r in rows)]
         start = max(fit, default=0)
@@ -135,8 +135,7 @@ def _cannot_fit(config: PlanConfig, rows: list[FrontierRow]) -> tuple[str, str] 
 def _cannot_win(config: PlanConfig, rows: list[FrontierRow], hardware: HardwareProfile) -> tuple[str, str] | None:
     """At most ``rate / FLOPs per sample`` samples/s (nothing exposed): no better than the best found?"""
     fitting = [r for r in rows if r.fits]
-    same = next((r.plan for r in rows if (r.plan.config.remat, r.plan.config.mixed_precision)
-                 == (config.remat, config.mixed_precision)), None)
+    same = next((r.plan for r in rows if r.plan.config.remat == config.remat), None)
     if not fitting or same is None or same.flops <= 0:
         return None
     rate = hardware.bf16_flops if config.mixed_precision else hardware.fp32_flops
