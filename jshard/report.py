@@ -12,8 +12,8 @@ from jshard._plan.cli import main as main
 from jshard._plan.compiler import CompileTarget as CompileTarget
 from jshard._plan.estimate import Estimate as Estimate
 from jshard._plan.estimate import estimate as estimate
+from jshard._plan.failure import PlanTargetError as PlanTargetError
 from jshard._plan.frontier import Frontier as Frontier
-from jshard._plan.frontier import FrontierRow as FrontierRow
 from jshard._plan.frontier import frontier as frontier
 from jshard._plan.hardware import HARDWARE as HARDWARE
 from jshard._plan.hardware import HardwareProfile as HardwareProfile
@@ -23,6 +23,8 @@ from jshard._plan.planner import Plan as Plan
 from jshard._plan.planner import plan as plan
 from jshard._plan.scaling import Scaling as Scaling
 from jshard._plan.scaling import scaling as scaling
+from jshard._plan.search import FrontierRow as FrontierRow
+from jshard._plan.search import Skipped as Skipped
 from jshard._plan.target import PlanConfig as PlanConfig
 from jshard._plan.target import abstract_result as abstract_result
 from jshard._report.flops import matmul_flops as matmul_flops
@@ -46,8 +48,10 @@ __all__ = [
     "Memory",
     "Plan",
     "PlanConfig",
+    "PlanTargetError",
     "Report",
     "Scaling",
+    "Skipped",
     "StepCollective",
     "abstract_result",
     "estimate",

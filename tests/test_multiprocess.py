@@ -230,6 +230,25 @@ def test_launcher_names_the_process_that_raised_first(tmp_path):
     assert rc == 1
 
 
+def test_launcher_names_a_process_killed_by_a_signal_it_did_not_send(tmp_path):
+    """Process 1 is SIGKILLed; process 0's collective fails and it reports that first: 1 is the cause."""
+    args = ["--nproc", "2", "--no-auto-init", str(SCRIPTS / "killed.py"), str(tmp_path / "flag"), "kill"]
+    rc, log, _ = _launch(tmp_path, args, timeout_s=60)
+    assert "[launch] process 1 failed first (killed by SIGKILL, which the launcher did not send): " \
+           "exit code 137 (SIGKILL)" in log, log
+    assert "[launch] non-zero exits: process 0: exit code 1 (uncaught JaxRuntimeError); " \
+           "process 1: exit code 137 (SIGKILL)." in log, log
+    assert rc == 137 and "-9" not in log
+
+
+def test_launcher_does_not_blame_a_process_aborted_after_another_failed(tmp_path):
+    """SIGABRT is how JAX stops the survivors: the process that reported first stays the cause."""
+    args = ["--nproc", "2", "--no-auto-init", str(SCRIPTS / "killed.py"), str(tmp_path / "flag"), "abort"]
+    rc, log, _ = _launch(tmp_path, args, timeout_s=60)
+    assert "[launch] process 0 failed first (uncaught JaxRuntimeError, reported first): exit code 1" in log, log
+    assert "process 1: exit code 134 (SIGABRT)" in log and rc == 1
+
+
 def test_launcher_timeout_stops_every_process(tmp_path):
     args = ["--nproc", "2", "--timeout", "2", "--no-auto-init", str(SCRIPTS / "fail_fast.py"), "--sleep-all"]
     rc, log, seconds = _launch(tmp_path, args, timeout_s=60)

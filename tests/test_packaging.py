@@ -17,19 +17,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _run(cmd, **kwargs):
     done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kwargs)
     assert done.returncode == 0, f"{cmd}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    return done.stdout, done.stderr
 
 
 def test_the_wheel_and_sdist_build_and_the_wheel_installs_and_imports(tmp_path):
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "build", "--outdir", dist, REPO])  # an sdist, then a wheel built from it
+    said = _run([sys.executable, "-m", "build", "--outdir", dist, REPO])  # an sdist, then a wheel built from it
+    assert "deprecated" not in "".join(said), "".join(said)  # setuptools: `project.license` as a table, ...
     (wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
     version = jshard.__version__
     assert wheel.name == f"jshard-{version}-py3-none-any.whl" and sdist.name == f"jshard-{version}.tar.gz"
     names = zipfile.ZipFile(wheel).namelist()
     data = sorted(p.name for p in (REPO / "jshard" / "demo" / "data").glob("*.txt"))
-    assert data and all(f"jshard/demo/data/{name}" in names for name in data)
-    assert f"jshard-{version}.dist-info/licenses/LICENSE" in names or f"jshard-{version}.dist-info/LICENSE" in names
+    assert data and all(f"jshard/demo/data/{name}" in names for name in [*data, "README.md"])  # texts, their source
+    assert f"jshard-{version}.dist-info/licenses/LICENSE" in names
+    metadata = zipfile.ZipFile(wheel).read(f"jshard-{version}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines() and "License-File: LICENSE" in metadata
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     members = tarfile.open(sdist).getnames()
     assert any(m.endswith("/LICENSE") for m in members) and any(m.endswith("/CHANGELOG.md") for m in members)
@@ -48,7 +51,7 @@ def test_the_wheel_and_sdist_build_and_the_wheel_installs_and_imports(tmp_path):
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel], env=clean)
     probe = ("import jshard, jshard.demo, pathlib; "
              "print(jshard.__version__, pathlib.Path(jshard.__file__).resolve(), len(jshard.demo.load_text()))")
-    got_version, where, characters = _run([python, "-c", probe], cwd=tmp_path, env=clean).split()
+    got_version, where, characters = _run([python, "-c", probe], cwd=tmp_path, env=clean)[0].split()
     assert got_version == version
     assert pathlib.Path(where).is_relative_to(env.resolve())  # the wheel's copy, not the checkout
     assert int(characters) > 10_000  # the demo's text, read from the installed package

@@ -1,6 +1,7 @@
 """Planning a user's step on a mesh of any size, compile only: plans, frontier, scaling, the command line."""
 
 import json
+import os
 import pathlib
 import re
 import resource
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jshard as js
+from jshard._plan.frontier import frontier_from_dict
 from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, main, parse_bytes, plan, scaling
 
 
@@ -165,13 +167,61 @@ def test_command_line_reports_errors_without_tracebacks(capsys):
         main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus"])
 
 
+_BROKEN_TARGETS = """
+def build_raises(mesh, config):
+    raise RuntimeError("my model is broken")
+"""
+
+
+@pytest.mark.parametrize("target", ["no_such_package.models:build", "broken_targets:build_2b",
+                                    "broken_targets:build_raises"])
+def test_a_broken_target_is_one_line_and_exit_2_in_a_planning_process_as_here(target, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """8 devices plan here, 16 in a planning process: the same line, the same code; where only on request."""
+    (tmp_path / "broken_targets.py").write_text(_BROKEN_TARGETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    said = {}
+    for devices in ("8", "16"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", target, "--devices", devices])
+        said[devices] = (exit_.value.code, capsys.readouterr().err)
+    assert said["16"] == said["8"], said
+    code, err = said["8"]
+    assert code == 2 and err.count("\n") == 1 and err.startswith("python -m jshard.report plan: ")
+    if target.endswith("build_raises"):
+        assert "raised RuntimeError while building or tracing its step: my model is broken" in err
+        with pytest.raises(SystemExit):
+            main(["plan", target, "--devices", "16", "--traceback"])
+        err = capsys.readouterr().err
+        assert err.startswith(said["8"][1]) and 'broken_targets.py", line 3, in build_raises' in err
+
+
 def test_command_line_searches_the_frontier(capsys):
-    """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier`` here,
-    ``plan --json`` in every 16-device plan above (a planning process runs it), ``scaling`` in the slow run."""
-    main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2",
-          "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true"])
-    out = capsys.readouterr().out
-    assert "out-of-memory frontier on Google TPU v6e" in out and "best: batch 2/device" in out
+    """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier --json`` here
+    (a first answer: remat full starts at the batch remat default fits), ``plan --json`` in every 16-device plan
+    above (a planning process runs it), ``scaling`` in the slow run. The JSON carries what the text shows: the
+    ranking, the step-time estimates with their parts and reasoning, and what was skipped."""
+    main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2,4",
+          "--remats", "default,full", "--reshard-after-forward", "true", "--mixed-precision", "true", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    rows = data["rows"]
+    assert [(r["plan"]["config"]["remat"], r["plan"]["config"]["batch_per_device"]) for r in rows] == [
+        ("default", 2), ("default", 4), ("full", 4)] and all(r["fits"] for r in rows)
+    assert [(s["config"]["remat"], s["config"]["batch_per_device"], s["kind"]) for s in data["skipped"]] == [
+        ("full", 2, "smaller batch")] and not data["full"]
+    speeds = [rows[i]["estimate"]["samples_per_second"] for i in data["ranking"]]
+    assert sorted(data["ranking"]) == [0, 1, 2] and speeds == sorted(speeds, reverse=True)
+    assert [rows[i]["rank"] for i in data["ranking"]] == [1, 2, 3]
+    for r in rows:
+        e = r["estimate"]
+        assert e["step"] == pytest.approx(e["compute"] + e["exposed"]) and 0 < e["compute_share"] <= 1
+        assert e["reasoning"][0].startswith("compute:") and e["reasoning"][-1].startswith("step ")
+    best = rows[data["ranking"][0]]
+    text = str(frontier_from_dict(data))  # what the command prints without --json
+    assert "out-of-memory frontier on Google TPU v6e" in text and "best: batch 4/device" in text
+    assert "1 of the grid's configurations not compiled (1 smaller batch" in text and "--full compiles" in text
+    assert all(f"  {why}" in text for why in best["estimate"]["reasoning"])
 
 
 @pytest.mark.slow

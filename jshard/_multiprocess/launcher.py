@@ -6,6 +6,15 @@ Each process gets ``--devices-per-proc`` CPU devices and gloo collectives over
 process fails, the launcher terminates the others and exits with that process's
 code. The same script runs on a real cluster, where :func:`initialize` calls
 ``jax.distributed.initialize()``; see ``docs/multihost.md``.
+
+[Note: first failure] When one process fails, the others usually fail too, often in the
+same instant: a collective whose peer is gone raises ("Connection reset by peer"), and
+JAX's coordination service aborts (SIGABRT) processes whose peer stopped. The launcher
+names the one that caused it: first a process killed by a signal it did not send (SIGKILL
+from the OOM killer, a scheduler or a person; SIGSEGV), which cannot report anything
+itself; SIGABRT does not count there, since it is how JAX stops the survivors. Then the
+process that reported an uncaught exception first; then the first seen to exit non-zero.
+It lists every non-zero exit beside it, a signal as ``128 + signal`` with its name.
 """
 
 from __future__ import annotations
@@ -94,39 +103,70 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _first_failure(procs: list[subprocess.Popen], raised: dict[int, tuple]) -> tuple[int, int]:
-    """``(index, code)`` of the process that failed first: the first to report an uncaught exception
-    (a process whose collective failed because of it exits too, often in the same instant), else
-    the lowest index among those that exited non-zero."""
+def _describe_exit(rc: int) -> str:
+    """``exit code 1``, or ``exit code 137 (SIGKILL)`` for a process a signal killed (``rc`` -9)."""
+    return f"exit code {_exit_code(rc)}" + (f" ({_describe_signal(-rc)})" if rc < 0 else "")
+
+
+def _describe_signal(signum: int) -> str:
+    return signal.Signals(signum).name if signum in _SIGNALS else f"signal {signum}"
+
+
+_SIGNALS = {s.value for s in signal.Signals}
+
+
+def _first_failure(procs: list[subprocess.Popen], raised: dict[int, tuple], ended: dict[int, float]) -> tuple[int, str]:
+    """``(index, why)`` of the process whose failure ended the job ([Note: first failure])."""
     time.sleep(_SETTLE_S)  # let the pumps read what the failed processes printed last
+    _note_exits(procs, ended)
+    killed = [i for i, p in enumerate(procs) if p.poll() is not None and p.poll() < 0 and -p.poll() != signal.SIGABRT]
+    if killed:
+        first = min(killed, key=lambda i: (ended[i], i))
+        return first, f"killed by {_describe_signal(-procs[first].poll())}, which the launcher did not send"
     if raised:
         first = min(raised, key=lambda i: raised[i][0])
-        try:
-            return first, procs[first].wait(timeout=_GRACE_S) or 1  # it is exiting: its hook calls os._exit(1)
+        try:  # it is exiting: its hook calls os._exit(1)
+            procs[first].wait(timeout=_GRACE_S)
         except subprocess.TimeoutExpired:
-            return first, 1
-    failed = {i: p.poll() for i, p in enumerate(procs) if p.poll()}
-    first = min(failed)
-    return first, failed[first]
+            pass
+        return first, f"uncaught {raised[first][1]}, reported first"
+    first = min((i for i, p in enumerate(procs) if p.poll()), key=lambda i: (ended[i], i))
+    return first, ""
+
+
+def _note_exits(procs: list[subprocess.Popen], ended: dict[int, float]) -> None:
+    """When each process was first seen to have exited (the order in which they failed)."""
+    now = time.monotonic()
+    for i, p in enumerate(procs):
+        if p.poll() is not None:
+            ended.setdefault(i, now)
+
+
+def _exits(procs: list[subprocess.Popen], raised: dict[int, tuple]) -> str:
+    """Every non-zero exit so far, ``process 0: exit code 1 (uncaught E); process 1: exit code 137 (SIGKILL)``."""
+    return "; ".join(f"process {i}: {_describe_exit(p.poll())}" + (f" (uncaught {raised[i][1]})" if i in raised else "")
+                     for i, p in enumerate(procs) if p.poll())
 
 
 def _watch(procs: list[subprocess.Popen], timeout_s: float | None, say, raised: dict[int, tuple],
            terminated: dict[str, float], grace_s: float) -> int:
-    start = time.monotonic()
+    start, ended = time.monotonic(), {}
     while True:
+        _note_exits(procs, ended)
         codes = [p.poll() for p in procs]
         if terminated and (all(c is not None for c in codes) or time.monotonic() > terminated["at"] + grace_s):
             return _after_sigterm(procs, codes, say, time.monotonic() - terminated["at"], grace_s)
         if not terminated and any(c not in (None, 0, PREEMPTED_EXIT) for c in codes):
-            i, rc = _first_failure(procs, raised)
+            i, why = _first_failure(procs, raised, ended)
+            rc = procs[i].poll() or 1  # a reporter still exiting (its hook calls os._exit(1))
             if rc == WATCHDOG_EXIT:
                 say(f"the step watchdog stopped the job (exit {WATCHDOG_EXIT}; its diagnosis is above) after "
                     f"{time.monotonic() - start:.1f} s.")
                 return WATCHDOG_EXIT
-            cause = f" (uncaught {raised[i][1]}, reported first)" if i in raised else ""
             others = sum(q.poll() is None for q in procs)
-            say(f"process {i} failed first{cause}: exit code {rc} after {time.monotonic() - start:.1f} s; "
-                f"terminating the other {others} running process(es).")
+            say(f"process {i} failed first" + (f" ({why})" if why else "") + f": {_describe_exit(rc)} after "
+                f"{time.monotonic() - start:.1f} s; terminating the other {others} running process(es).")
+            say(f"non-zero exits: {_exits(procs, raised)}.")
             return _exit_code(rc)
         if all(c is not None for c in codes):
             return PREEMPTED_EXIT if PREEMPTED_EXIT in codes else 0

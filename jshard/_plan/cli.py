@@ -7,6 +7,7 @@ import json
 import sys
 
 from jshard._plan.compiler import CompileTarget
+from jshard._plan.failure import hand_to_parent, traceback_text
 from jshard._plan.frontier import frontier, frontier_to_dict
 from jshard._plan.hardware import HARDWARE, HardwareProfile, parse_bytes, profile
 from jshard._plan.planner import plan
@@ -45,6 +46,7 @@ def _mesh_flags(parser: argparse.ArgumentParser, devices_type=int, default=64) -
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replicas (default 1)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="size of a 'tp' mesh axis (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--traceback", action="store_true", help="after an error, print where it was raised")
 
 
 def _config_flags(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--reshard-after-forward", choices=sorted(_CHOICE), default="both")
     search.add_argument("--mixed-precision", choices=sorted(_CHOICE), default="both")
     search.add_argument("--offload", choices=sorted(_CHOICE), default="false")
+    search.add_argument("--full", action="store_true",
+                        help="compile the whole grid (default: a first answer, pruned from what was compiled)")
     search.add_argument("--hardware-json", help=argparse.SUPPRESS)
     search.add_argument("--grid", help=argparse.SUPPRESS)
     scale = sub.add_parser("scaling", help="per-device memory for several mesh sizes, with a PNG plot")
@@ -99,7 +103,8 @@ def _frontier(args: argparse.Namespace):
         if bad or not remats:
             raise SystemExit(f"--remats takes policies of {REMATS} separated by commas, got {args.remats!r}.")
         grid = {"batches": args.batches, "reshard_after_forward": _CHOICE[args.reshard_after_forward],
-                "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload]}
+                "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload],
+                "full": args.full}
     return frontier(_target(args), devices=args.devices, budget=parse_bytes(args.hbm), hardware=hardware,
                     replicate=args.replicate, tensor_parallel=args.tensor_parallel, target=_compiler(args), **grid)
 
@@ -139,8 +144,11 @@ def main(argv: list[str] | None = None) -> None:
                 result.plot(args.png)
             print(json.dumps({"plans": [p.to_dict() for p in result.plans], "sharded": result.sharded,
                               "constant": result.constant}) if args.json else result)
-    except ValueError as err:
+    except ValueError as err:  # the target's or the options' fault: one line ([Note: planning errors])
         print(f"python -m jshard.report {args.command}: {err}", file=sys.stderr)
+        if args.traceback:
+            print(traceback_text(err), file=sys.stderr, end="")
+        hand_to_parent(err)
         raise SystemExit(2) from err
 
 

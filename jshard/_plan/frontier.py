@@ -3,16 +3,18 @@
 [Note: frontier] Memory grows with the batch for every other setting fixed, so for each
 combination of ``reshard_after_forward``, remat, mixed precision and offload the search
 compiles batches in increasing order and stops at the first that does not fit: each
-combination's frontier costs at most one compile past it. Every configuration that fits
-is ranked by the analytic step time (:func:`estimate`) per sample. The budget is
-compared with the compiled peak (arguments + outputs + temporaries - aliased), which is
-what the device must hold at once.
+combination's frontier costs at most one compile past it. By default it compiles less, a
+first answer, from what the configurations compiled so far show ([Note: frontier search]
+in ``search.py``); ``full=True`` compiles every combination. Every configuration that fits
+is ranked by the analytic step time (:func:`estimate`) per sample. The budget is compared
+with the compiled peak (arguments + outputs + temporaries - aliased), which is what the
+device must hold at once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +25,7 @@ from jshard._plan.compiler import CompileTarget
 from jshard._plan.estimate import Estimate, estimate
 from jshard._plan.hardware import HardwareProfile
 from jshard._plan.planner import Plan, compile_target, plan_here, plan_mesh, run_in_devices
+from jshard._plan.search import FrontierRow, Grid, Skipped, first_answer, full_grid
 from jshard._plan.target import REMATS, PlanConfig, spec_of
 
 CPU_CAVEAT = (
@@ -34,21 +37,18 @@ CPU_CAVEAT = (
 
 
 @dataclasses.dataclass(frozen=True)
-class FrontierRow:
-    """One compiled configuration: its peak, whether it fits, and its estimate if it does."""
-
-    plan: Plan
-    fits: bool
-    estimate: Estimate | None
-
-
-@dataclasses.dataclass(frozen=True)
 class Frontier:
-    """Every configuration the search compiled, the fitting ones ranked fastest first per sample."""
+    """Every configuration the search compiled, the fitting ones ranked fastest first per sample.
+
+    ``skipped``: the grid's configurations a first-answer search did not compile, with why
+    (empty for the full grid, ``full=True``).
+    """
 
     budget: float
     hardware: HardwareProfile
     rows: tuple[FrontierRow, ...]
+    skipped: tuple[Skipped, ...] = ()
+    full: bool = True
 
     @property
     def ranked(self) -> list[FrontierRow]:
@@ -57,7 +57,7 @@ class Frontier:
     def __str__(self) -> str:
         gib, ranked = 2.0**30, self.ranked
         lines = [f"out-of-memory frontier on {self.hardware.name} (budget {self.budget / gib:.1f} GiB/device; "
-                 f"{len(self.rows)} configurations compiled, {len(ranked)} fit)", "",
+                 f"{len(self.rows)} configurations compiled, {len(ranked)} fit)", *self._search_lines(), "",
                  f"  {'configuration':<60}{'peak GiB':>10}{'step ms':>10}{'samples/s/dev':>15}{'MFU@peak':>10}"]
         for row in ranked:
             e = row.estimate
@@ -73,14 +73,24 @@ class Frontier:
         on_cpu = any(r.plan.platform == "cpu" for r in self.rows)
         return "\n".join(lines + (["", CPU_CAVEAT] if on_cpu else []))
 
+    def _search_lines(self) -> list[str]:
+        if self.full:
+            return []
+        kinds = collections.Counter(s.kind for s in self.skipped)
+        return [f"first answer: {len(self.skipped)} of the grid's configurations not compiled ("
+                + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + "; see [Note: frontier search]); "
+                "--full compiles the whole grid"]
+
 
 def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, budget: float, hardware: HardwareProfile,
              replicate: int = 1, tensor_parallel: int = 1, batches: Sequence[int] = (1, 2, 4, 8, 16),
              reshard_after_forward: Sequence[bool] = (True, False), remats: Sequence[str] = REMATS,
              mixed_precision: Sequence[bool] = (True, False), offload: Sequence[bool] = (False,),
-             target: str | CompileTarget | None = None) -> Frontier:
+             target: str | CompileTarget | None = None, full: bool = False) -> Frontier:
     """Search the configurations of ``build`` that fit ``budget`` bytes per device, compile only.
 
+    By default a first answer: only what can change the ranking's top is compiled, judged from
+    what has been compiled ([Note: frontier search]); ``full=True`` compiles every combination.
     With fewer devices here than ``devices``, the search runs in one subprocess with that
     many simulated CPU devices (as :func:`plan` does); ``target`` plans on another compiler
     (``"tpu:v5p-256"``: see [Note: compile target]). See [Note: frontier].
@@ -93,37 +103,49 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
       >>> [(row.plan.config.batch_per_device, row.fits) for row in f.rows], f.ranked
       ([(64, False)], [])
     """
+    grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload))
     where = compile_target(target, devices)
     devices = where.devices
     if where.platform == "cpu" and len(jax.devices()) < devices:
-        grid = {"batches": list(batches), "reshard_after_forward": list(reshard_after_forward),
-                "remats": list(remats), "mixed_precision": list(mixed_precision), "offload": list(offload)}
         argv = ["frontier", spec_of(build), "--devices", str(devices), "--replicate", str(replicate),
                 "--tensor-parallel", str(tensor_parallel), "--hbm", str(budget), "--hardware-json",
-                json.dumps(dataclasses.asdict(hardware)), "--grid", json.dumps(grid)]
+                json.dumps(dataclasses.asdict(hardware)), "--grid", json.dumps({**dataclasses.asdict(grid),
+                                                                                  "full": full})]
         return frontier_from_dict(run_in_devices(argv, devices))
     mesh = plan_mesh(devices, replicate, tensor_parallel, where.tpu_devices() if where.platform == "tpu" else None)
-    rows = []
-    for raf, remat, mp, off in itertools.product(reshard_after_forward, remats, mixed_precision, offload):
-        for batch in sorted(batches):
-            config = PlanConfig(batch, raf, remat, mp, off)
-            planned = plan_here(build, config, mesh)
-            fits = planned.report.memory.peak <= budget
-            rows.append(FrontierRow(planned, fits, estimate(planned, hardware) if fits else None))
-            if not fits:
-                break
-    return Frontier(budget, hardware, tuple(rows))
+
+    def compile_one(config: PlanConfig) -> FrontierRow:
+        planned = plan_here(build, config, mesh)
+        fits = planned.report.memory.peak <= budget
+        return FrontierRow(planned, fits, estimate(planned, hardware) if fits else None)
+
+    rows, skipped = full_grid(compile_one, grid) if full else first_answer(compile_one, grid, hardware)
+    return Frontier(budget, hardware, tuple(rows), tuple(skipped), full)
 
 
 def frontier_to_dict(result: Frontier) -> dict[str, Any]:
-    return {"budget": result.budget, "hardware": dataclasses.asdict(result.hardware),
-            "rows": [{"plan": r.plan.to_dict(), "fits": r.fits} for r in result.rows]}
+    """What the text shows, as data: every compiled row with its rank and estimate, the ranking, what was skipped.
+
+    ``ranking`` lists row indices, fastest per sample first; each fitting row's ``estimate``
+    has the step time's parts (seconds) and the reasoning.
+    """
+    ranked = result.ranked
+    rank = {id(row): i + 1 for i, row in enumerate(ranked)}
+    rows = [{"plan": r.plan.to_dict(), "fits": r.fits, "rank": rank.get(id(r)),
+             "estimate": {**dataclasses.asdict(r.estimate), "compute_share": r.estimate.compute_share}
+             if r.estimate else None} for r in result.rows]
+    index = {id(row): i for i, row in enumerate(result.rows)}
+    return {"budget": result.budget, "hardware": dataclasses.asdict(result.hardware), "full": result.full,
+            "ranking": [index[id(r)] for r in ranked], "rows": rows, "caveat": CPU_CAVEAT,
+            "skipped": [{"config": dataclasses.asdict(s.config), "kind": s.kind, "why": s.why}
+                        for s in result.skipped]}
 
 
 def frontier_from_dict(data: dict[str, Any]) -> Frontier:
-    hardware = HardwareProfile(**data["hardware"])
-    rows = []
-    for r in data["rows"]:
-        planned = Plan.from_dict(r["plan"])
-        rows.append(FrontierRow(planned, r["fits"], estimate(planned, hardware) if r["fits"] else None))
-    return Frontier(data["budget"], hardware, tuple(rows))
+    """The frontier :func:`frontier_to_dict` gave."""
+    fields = [f.name for f in dataclasses.fields(Estimate)]
+    rows = tuple(FrontierRow(Plan.from_dict(r["plan"]), r["fits"], Estimate(**{
+        **{k: r["estimate"][k] for k in fields}, "reasoning": tuple(r["estimate"]["reasoning"])})
+        if r["estimate"] else None) for r in data["rows"])
+    skipped = tuple(Skipped(PlanConfig(**s["config"]), s["kind"], s["why"]) for s in data["skipped"])
+    return Frontier(data["budget"], HardwareProfile(**data["hardware"]), rows, skipped, data["full"])

@@ -31,6 +31,7 @@ from jax.sharding import AxisType
 
 from jshard._plan.buffers import Buffer, buffer_lines, dump_flag, largest_temporaries
 from jshard._plan.compiler import CompileTarget
+from jshard._plan.failure import ERROR_FILE_ENV, from_planning_process, target_raised
 from jshard._plan.target import PlanConfig, call_build, load_build, spec_of
 from jshard._report.flops import matmul_flops
 from jshard._report.report import Report, format_report, report_compiled
@@ -166,9 +167,13 @@ def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sha
     """Build, lower and compile on ``mesh`` in this process."""
     spec, fn = _resolve(build)
     start = time.perf_counter()
-    step, args, params = call_build(fn, mesh, config)
-    jitted = step if hasattr(step, "lower") else jax.jit(step)
-    lowered = jitted.lower(*args)
+    try:
+        step, args, params = call_build(fn, mesh, config)
+        lowered = (step if hasattr(step, "lower") else jax.jit(step)).lower(*args)
+    except ValueError:  # jshard's own checks, or the user's: one line already ([Note: planning errors])
+        raise
+    except Exception as err:
+        raise target_raised(spec, err) from err
     dump = os.environ.get(_DUMP_ENV)
     if dump:  # only the step's compile: see [Note: temporary buffers]
         for old in pathlib.Path(dump).glob("*"):
@@ -186,13 +191,20 @@ _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
 def run_in_devices(argv: Sequence[str], devices: int) -> Any:
-    """``python -m jshard.report *argv --json`` with ``devices`` simulated CPU devices; its JSON."""
-    with tempfile.TemporaryDirectory(prefix="jshard-plan-", ignore_cleanup_errors=True) as dump:
+    """``python -m jshard.report *argv --json`` with ``devices`` simulated CPU devices; its JSON.
+
+    A target that fails there raises here as it would have here ([Note: planning errors]).
+    """
+    with tempfile.TemporaryDirectory(prefix="jshard-plan-", ignore_cleanup_errors=True) as work:
+        dump, error_file = os.path.join(work, "dump"), os.path.join(work, "error.json")
         flags = _DEVICE_COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
-               "XLA_FLAGS": f"{flags} {dump_flag(dump)}".strip(), _DUMP_ENV: dump}
+               "XLA_FLAGS": f"{flags} {dump_flag(dump)}".strip(), _DUMP_ENV: dump, ERROR_FILE_ENV: error_file}
         cmd = [sys.executable, "-m", "jshard.report", *argv, "--json"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        handed_over = from_planning_process(error_file) if done.returncode == 2 else None
+    if handed_over is not None:
+        raise handed_over
     if done.returncode:
         raise RuntimeError(f"Planning on {devices} simulated CPU devices failed ({' '.join(cmd[2:])}):\n"
                            f"{done.stderr[-4000:]}")

@@ -1,0 +1,147 @@
+"""Which configurations the frontier search compiles: the whole grid, or a first answer that prunes it.
+
+[Note: frontier search] Compiling is the search's whole cost (seconds to a minute per
+configuration for an 8B model on 256 devices), so by default it compiles only what can
+change the answer, from what it has compiled so far. It assumes what holds for a training
+step: peak memory does not fall when the batch grows, without resharding after forward,
+with a remat policy that keeps more (``full`` < ``dots`` < ``default``), or on device
+instead of offloaded; the samples per second of one setting do not fall when its batch
+grows (the collectives are the same per step); its matmul FLOPs grow with the batch in
+proportion and do not depend on the precision. (Memory is not assumed to fall with bf16
+parameters: on XLA:CPU a bf16 plan can hold more than the fp32 one, its collectives run in
+float32.) Then:
+
+- a configuration that needs at least the memory of one past the budget is not compiled;
+- each setting climbs its batches from the largest known to fit (one that needs no more
+  memory than a configuration that fits) to the first past the budget: smaller batches are
+  not compiled;
+- a setting whose samples per second at the chip's peak FLOP/s (its FLOPs per sample from
+  any compiled configuration with its remat, nothing exposed) cannot beat the best found is
+  not compiled (fp32 on a GPU, whose fp32 rate is half its bf16 rate, once a bf16 setting
+  runs near its peak);
+- settings are tried fastest first: bf16 before fp32, resharding after forward (what large
+  models need) before not, then the remat that recomputes least, on device before offload.
+
+``--full`` (``frontier(..., full=True)``) compiles the whole grid: every setting's batches in
+increasing order up to the first past the budget, which is also how the assumptions can be
+checked for a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from jshard._plan.estimate import Estimate
+from jshard._plan.hardware import HardwareProfile
+from jshard._plan.planner import Plan
+from jshard._plan.target import PlanConfig
+
+_REMAT_KEEPS = {"full": 0, "dots": 1, "default": 2}  # how much a remat policy keeps for backward, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontierRow:
+    """One compiled configuration: its peak, whether it fits, and its estimate if it does."""
+
+    plan: Plan
+    fits: bool
+    estimate: Estimate | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A configuration of the grid the first-answer search did not compile, and why.
+
+    ``kind`` is ``"cannot fit"``, ``"smaller batch"`` or ``"cannot beat the best"``.
+    """
+
+    config: PlanConfig
+    kind: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The settings the search varies (each a sequence of the values to try)."""
+
+    batches: Sequence[int]
+    reshard_after_forward: Sequence[bool]
+    remats: Sequence[str]
+    mixed_precision: Sequence[bool]
+    offload: Sequence[bool]
+
+
+def _memory_order(config: PlanConfig) -> tuple[int, ...]:
+    return (config.batch_per_device, int(not config.reshard_after_forward), _REMAT_KEEPS[config.remat],
+            int(not config.offload))
+
+
+def needs_no_more_than(a: PlanConfig, b: PlanConfig) -> bool:
+    """Whether ``a`` needs no more memory than ``b`` by the search's assumptions (same precision, every
+    other setting no larger)."""
+    return a.mixed_precision == b.mixed_precision and all(
+        x <= y for x, y in zip(_memory_order(a), _memory_order(b), strict=True))
+
+
+def full_grid(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid) -> tuple[list[FrontierRow], list]:
+    """Every setting, its batches in increasing order up to the first past the budget."""
+    rows = []
+    for raf, remat, mp, off in itertools.product(grid.reshard_after_forward, grid.remats, grid.mixed_precision,
+                                                 grid.offload):
+        for batch in sorted(grid.batches):
+            rows.append(compile_one(PlanConfig(batch, raf, remat, mp, off)))
+            if not rows[-1].fits:
+                break
+    return rows, []
+
+
+def first_answer(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid,
+                 hardware: HardwareProfile) -> tuple[list[FrontierRow], list[Skipped]]:
+    """Compile only what can change the answer ([Note: frontier search]); the rows and what was skipped."""
+    rows: list[FrontierRow] = []
+    skipped: list[Skipped] = []
+    for mp, raf, remat, off in itertools.product(sorted(set(grid.mixed_precision), reverse=True),
+                                                 sorted(set(grid.reshard_after_forward), reverse=True),
+                                                 sorted(set(grid.remats), key=_REMAT_KEEPS.get, reverse=True),
+                                                 sorted(set(grid.offload))):
+        configs = [PlanConfig(b, raf, remat, mp, off) for b in sorted(set(grid.batches))]
+        fit = [i for i, c in enumerate(configs) if any(r.fits and needs_no_more_than(c, r.plan.config) for r in rows)]
+        start = max(fit, default=0)
+        skipped += [Skipped(c, "smaller batch", f"batch {configs[start].batch_per_device} of the same setting "
+                            "fits, at least as fast per sample") for c in configs[:start]]
+        for i, config in enumerate(configs[start:], start):
+            reason = _cannot_fit(config, rows) or _cannot_win(config, rows, hardware)
+            if reason:
+                skipped += [Skipped(c, *reason) for c in configs[i:]]
+                break
+            rows.append(compile_one(config))
+            if not rows[-1].fits:
+                skipped += [Skipped(c, "cannot fit", f"batch {config.batch_per_device} of the same setting is "
+                                    "past the budget") for c in configs[i + 1 :]]
+                break
+    return rows, skipped
+
+
+def _cannot_fit(config: PlanConfig, rows: list[FrontierRow]) -> tuple[str, str] | None:
+    over = next((r for r in rows if not r.fits and needs_no_more_than(r.plan.config, config)), None)
+    if over is None:
+        return None
+    return "cannot fit", (f"needs at least the memory of {over.plan.config.describe()} "
+                          f"({over.plan.report.memory.peak / 2**30:.2f} GiB), past the budget")
+
+
+def _cannot_win(config: PlanConfig, rows: list[FrontierRow], hardware: HardwareProfile) -> tuple[str, str] | None:
+    """At most ``rate / FLOPs per sample`` samples/s (nothing exposed): no better than the best found?"""
+    fitting = [r for r in rows if r.fits]
+    same = next((r.plan for r in rows if r.plan.config.remat == config.remat), None)
+    if not fitting or same is None or same.flops <= 0:
+        return None
+    rate = hardware.bf16_flops if config.mixed_precision else hardware.fp32_flops
+    ceiling = rate * same.config.batch_per_device / same.flops
+    best = max(r.estimate.samples_per_second for r in fitting)
+    if ceiling > best:
+        return None
+    return "cannot beat the best", (f"at most {ceiling:.2f} samples/s/device at peak FLOP/s with remat {config.remat}, "
+                                    f"no more than the best found ({best:.2f})")

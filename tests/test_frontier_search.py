@@ -1,0 +1,79 @@
+"""The frontier's first-answer search against the full grid, on synthetic steps that obey its assumptions.
+
+Compiling is replaced by a model of a step whose memory grows with the batch, without
+resharding after forward and with a remat that keeps more (in fp32 more or less than in bf16),
+and whose samples per second grow with the batch and stay under the chip's peak FLOP/s: what
+[Note: frontier search] assumes. On every such step the first answer must find the full grid's best, compile a subset
+of what the full grid compiles, and skip only configurations that cannot fit or cannot beat it.
+"""
+
+import itertools
+from types import SimpleNamespace
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from jshard._plan.search import Grid, first_answer, full_grid
+from jshard.report import HARDWARE, FrontierRow, PlanConfig
+
+H100 = HARDWARE["h100"]
+GRID = Grid(batches=[1, 2, 4, 8, 16], reshard_after_forward=[True, False], remats=["default", "dots", "full"],
+            mixed_precision=[True, False], offload=[False])
+
+
+def _synthetic_step(keep, recompute, gathered, fp32_factor, flops_per_sample, wire):
+    """``config -> (peak bytes, FLOPs, samples/s)`` of a step that obeys the search's assumptions."""
+
+    def step(c: PlanConfig):
+        precision = 1.0 if c.mixed_precision else fp32_factor  # either way: XLA:CPU's bf16 plans can hold more
+        peak = precision * (1.0 + c.batch_per_device * keep[c.remat] + (0 if c.reshard_after_forward else gathered))
+        flops = c.batch_per_device * flops_per_sample * recompute[c.remat]
+        rate = H100.bf16_flops if c.mixed_precision else H100.fp32_flops
+        exposed = wire * (1.5 if c.reshard_after_forward else 1.0) * (1.0 if c.mixed_precision else 2.0)
+        return peak, flops, c.batch_per_device / (flops / rate + exposed)
+
+    return step
+
+
+def _compiler(step, budget, log):
+    def compile_one(config: PlanConfig) -> FrontierRow:
+        log.append(config)
+        peak, flops, speed = step(config)
+        plan = SimpleNamespace(config=config, flops=flops, report=SimpleNamespace(memory=SimpleNamespace(peak=peak)))
+        fits = peak <= budget
+        return FrontierRow(plan, fits, SimpleNamespace(samples_per_second=speed) if fits else None)
+
+    return compile_one
+
+
+def _best(rows):
+    return max((r.estimate.samples_per_second for r in rows if r.fits), default=None)
+
+
+increasing = st.lists(st.floats(0.01, 10.0), min_size=3, max_size=3, unique=True).map(sorted)
+
+
+@settings(max_examples=150, deadline=None)
+@example(keep=[0.5, 1.0, 3.0], recompute=[1.0, 1.2, 1.5], gathered=1.0, fp32_factor=0.8, wire=0.0,
+         budget=1.3)  # only fp32 fits: a bf16 configuration past the budget says nothing of fp32's memory
+@given(keep=increasing, recompute=increasing, gathered=st.floats(0.0, 40.0), fp32_factor=st.floats(0.8, 1.5),
+       wire=st.floats(0.0, 1e-2), budget=st.floats(1.0, 120.0))
+def test_the_first_answer_finds_the_full_grids_best_with_fewer_compiles(keep, recompute, gathered, fp32_factor,
+                                                                         wire, budget):
+    step = _synthetic_step(dict(zip(("full", "dots", "default"), keep, strict=True)),
+                           dict(zip(("default", "dots", "full"), recompute, strict=True)),
+                           gathered, fp32_factor, 1e12, wire)
+    full_log, quick_log = [], []
+    full_rows, _ = full_grid(_compiler(step, budget, full_log), GRID)
+    rows, skipped = first_answer(_compiler(step, budget, quick_log), GRID, H100)
+    best = _best(full_rows)
+    assert _best(rows) == best
+    assert set(quick_log) <= set(full_log) and len(quick_log) < len(full_log)
+    assert len(set(quick_log)) == len(quick_log)  # nothing compiled twice
+    every = {PlanConfig(b, raf, remat, mp, off) for b, raf, remat, mp, off in itertools.product(
+        GRID.batches, GRID.reshard_after_forward, GRID.remats, GRID.mixed_precision, GRID.offload)}
+    assert set(quick_log) | {s.config for s in skipped} == every  # every configuration accounted for, once
+    assert len(quick_log) + len(skipped) == len(every)
+    for s in skipped:  # none that was skipped fits and beats the best
+        peak, _, speed = step(s.config)
+        assert peak > budget or best is None or speed <= best, s
