@@ -12,6 +12,15 @@ over the devices that differ only in that coordinate, keeps this device's block,
 leaves it exactly the chunk a single reduce-scatter would (row-major digits). The bytes sent
 add up to ``(N - 1) / N`` of the gradient, a ring reduce-scatter's. On 2-D tori (v5e, v6e),
 on GPUs and on CPU, one reduce-scatter is kept.
+
+Memory decides per unit (:func:`phases_pay_off`): XLA runs the all-reduce in place, holding
+one full gradient, but combines a unit's all-reduces into one, holding all of them at once;
+the phases hold a gradient and its first phase's half-size result. So a unit whose second
+largest leaf is at least half its largest (two GELU matrices, a transformer block) is reduced
+in phases, and one that is a single large leaf beside small ones (a tanh layer's weight and
+bias) keeps the all-reduce. Measured on v5p 2x2x2: six stacked 1536 -> 4608 GELU blocks,
+peak 138.4 -> 111.4 MiB with phases; four stacked 512-wide tanh layers, 2.41 MiB without
+against 3.00 with.
 """
 
 from __future__ import annotations
@@ -74,3 +83,15 @@ def phase_groups(phases: tuple[int, ...], k: int) -> list[list[int]]:
     """
     index = np.arange(int(np.prod(phases))).reshape(phases)
     return np.moveaxis(index, k, -1).reshape(-1, phases[k]).tolist()
+
+
+def phases_pay_off(leaf_bytes: list[int]) -> bool:
+    """Whether a unit with gradients of ``leaf_bytes`` is reduced in torus phases (see the Note).
+
+    Example:
+      >>> from jshard._sharding.torus import phases_pay_off
+      >>> phases_pay_off([4 << 20, 4 << 20]), phases_pay_off([4 << 20, 2 << 10])
+      (True, False)
+    """
+    sizes = sorted(leaf_bytes, reverse=True)
+    return len(sizes) > 1 and 2 * sizes[1] >= sizes[0]

@@ -38,6 +38,7 @@ class LeafComm:
     divide_factor: float
     skip_all_reduce: bool = False
     in_loop: bool = False  # one layer of a stack in a loop body, which orders its gathers itself
+    scatter_phases: tuple[int, ...] = ()  # the reduce-scatter's torus phases ([Note: torus phases])
 
     @property
     def param_dtype(self) -> np.dtype:
@@ -88,7 +89,7 @@ def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
     if layout.sharded:
         piece = model_piece(pad(g, layout), layout, comm.axes)
         if policy.custom_reduce_scatter is None:
-            g = C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.axes.scatter_phases)
+            g = C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.scatter_phases)
         else:
             g = policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
     else:
@@ -185,10 +186,13 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
 
 
 def leaf_comm(
-    layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, view: LocalView, in_loop: bool = False
+    layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, view: LocalView, in_loop: bool = False,
+    phased: bool = True,
 ) -> LeafComm:
+    """``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases])."""
     factor = policy.gradient_divide_factor or axes.data_parallel_size
-    return LeafComm(layout, axes, policy, float(factor), view.skip_all_reduce, in_loop)
+    phases = axes.scatter_phases if phased else ()
+    return LeafComm(layout, axes, policy, float(factor), view.skip_all_reduce, in_loop, phases)
 
 
 NOT_IN_STEP = (

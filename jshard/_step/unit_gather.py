@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jshard._sharding.torus import phases_pay_off
 from jshard._sharding.unit import FSDPUnit, UnitMeta
 from jshard._sharding.views import LocalView
 from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm, step_reshard
@@ -27,9 +30,12 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
         return list(entries)
     out = list(entries)
     together: dict[tuple, list[tuple[int, LeafComm]]] = {}
+    phased = phases_pay_off([math.prod(layout.padded_shape) * np.dtype(layout.dtype).itemsize for layout in meta.layouts
+                             if layout is not None and layout.sharded and not layout.ignored])
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:
-            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer)
+            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer,
+                             phased=phased)
             if joins_unit_buffer(comm, raf):
                 together.setdefault((comm.param_dtype, comm.reduce_dtype, comm.offloaded), []).append((i, comm))
             else:
