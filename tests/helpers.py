@@ -1,8 +1,10 @@
-"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks."""
+"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks, divisions."""
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 
 import numpy as np
 
@@ -71,3 +73,23 @@ def run_nnx_blocks(blocks, x, scan: bool):
     for block in blocks:
         x = block(x)
     return x
+
+
+_CONSTANT = re.compile(r"(%[\w#]+) = stablehlo\.constant dense<([-+.\deE]+)> : tensor<\w*>")
+_BROADCAST = re.compile(r"(%[\w#]+) = stablehlo\.broadcast_in_dim (%[\w#]+),")
+_DIVIDE = re.compile(r"stablehlo\.divide %[\w#]+, (%[\w#]+)")
+
+
+def constant_divisors(stablehlo_text: str) -> collections.Counter:
+    """How many times a lowered program divides by each scalar constant (broadcast or not)."""
+    values: dict[str, float] = {}
+    found: collections.Counter = collections.Counter()
+    for line in stablehlo_text.splitlines():
+        if m := _CONSTANT.search(line):
+            values[m.group(1)] = float(m.group(2))
+        elif m := _BROADCAST.search(line):
+            if m.group(2) in values:
+                values[m.group(1)] = values[m.group(2)]
+        elif (m := _DIVIDE.search(line)) and m.group(1) in values:
+            found[values[m.group(1)]] += 1
+    return found
