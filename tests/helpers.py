@@ -1,4 +1,5 @@
-"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks, divisions."""
+"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks, divisions,
+the largest difference between two trees."""
 
 from __future__ import annotations
 
@@ -39,6 +40,24 @@ def assert_torch_layout(stored, original: np.ndarray, mesh, shard_axes: tuple[st
         np.testing.assert_array_equal(np.asarray(shard.data), chunks[i])
         seen.add(i)
     assert seen == set(range(n))
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference between the paired leaves of two trees (in ``a``'s dtypes).
+
+    ``inf`` when either tree holds a NaN or an infinity: a NaN is close to nothing, and
+    Python's ``max`` over per-leaf maxima would skip one unless it came first.
+    """
+    import jax
+
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x = np.asarray(x)
+        x, y = x.astype(np.float64), np.asarray(y).astype(x.dtype).astype(np.float64)
+        if not (np.isfinite(x).all() and np.isfinite(y).all()):
+            return math.inf
+        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)))
+    return worst
 
 
 def padding_values(tree) -> np.ndarray:

@@ -10,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
-from flax_models import BATCH, Config, batches, causal_attention, max_diff
+from flax_models import BATCH, Config, batches, causal_attention
+from helpers import max_diff
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jshard as js

@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from flax_models import BATCH, Config, batches, causal_attention, max_diff
-from helpers import run_nnx_blocks
+from flax_models import BATCH, Config, batches, causal_attention
+from helpers import max_diff, run_nnx_blocks
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jshard as js

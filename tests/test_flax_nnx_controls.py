@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_models import max_diff
-from helpers import constant_divisors
+from helpers import constant_divisors, max_diff
 
 import jshard as js
 from jshard._report.hlo import hlo_collectives, lowered_collectives

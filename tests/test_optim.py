@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import padding_values
+from helpers import max_diff, padding_values
 from jax.sharding import AxisType
 
 import jshard as js
@@ -108,9 +108,9 @@ def _host(tree):
 
 
 def _max_error(sharded, reference):
-    """Largest absolute difference between the unpadded leaves of ``sharded`` and those of ``reference``."""
-    pairs = zip(_host(sharded), jax.tree.leaves(reference), strict=True)
-    return max(float(np.max(np.abs(x - np.asarray(y)), initial=0)) for x, y in pairs)
+    """Largest absolute difference between the unpadded leaves of ``sharded`` and those of ``reference``
+    (``inf`` where either is not finite)."""
+    return max_diff(_host(sharded), jax.tree.leaves(reference))
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
