@@ -99,6 +99,16 @@ _BROADCAST = re.compile(r"(%[\w#]+) = stablehlo\.broadcast_in_dim (%[\w#]+),")
 _DIVIDE = re.compile(r"stablehlo\.divide %[\w#]+, (%[\w#]+)")
 
 
+def collective_dtypes(stablehlo_text: str) -> dict[str, set[str]]:
+    """The result dtypes of each kind of collective in a lowered program (the dtypes the step asked for)."""
+    from jshard._report.hlo import lowered_collectives
+
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    for kind, dtype in lowered_collectives(stablehlo_text):
+        found[kind].add(dtype)
+    return dict(found)
+
+
 def constant_divisors(stablehlo_text: str) -> collections.Counter:
     """How many times a lowered program divides by each scalar constant (broadcast or not)."""
     values: dict[str, float] = {}
