@@ -4,6 +4,7 @@ import json
 import pathlib
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jshard as js
+from jshard._plan.cli import parser
 from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, main, parse_bytes, plan, scaling
 
 
@@ -165,9 +167,21 @@ def test_command_line_reports_errors_without_tracebacks(capsys):
         main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus"])
 
 
+def test_the_planning_commands_of_the_docs_parse():
+    """docs/planning.md's commands name a placeholder target and 256 devices: each parses with the
+    command line's own parser; they run on the demo's tiny model in the tests around this one."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    block = re.search(r"<!-- planning-commands -->\s*```bash\n(.*?)```", text, re.S).group(1)
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    assert [argv[:4] for argv in commands] == [["python", "-m", "jshard.report", c] for c in ("plan", "frontier",
+                                                                                              "scaling")]
+    for argv in commands:
+        assert parser().parse_args(argv[3:]).target == "pkg.module:build"
+
+
 def test_command_line_searches_the_frontier(capsys):
-    """docs/planning.md's commands (<!-- planning-commands -->) on the demo's tiny model: ``frontier`` here,
-    ``plan --json`` in every 16-device plan above (a planning process runs it), ``scaling`` in the slow run."""
+    """docs/planning.md's commands on the demo's tiny model: ``frontier`` here, ``plan --json`` in every
+    16-device plan above (a planning process runs it), ``scaling`` in the slow run."""
     main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "8MiB", "--hardware", "v6e", "--batches", "2",
           "--remats", "full", "--reshard-after-forward", "true", "--mixed-precision", "true"])
     out = capsys.readouterr().out
