@@ -78,6 +78,13 @@ def padding_values(tree) -> np.ndarray:
     return np.concatenate(jax.tree.leaves(map_unit_leaves(values, tree)))
 
 
+def assert_zero_padding(*trees) -> None:
+    """The trees hold padding, and every padding element is zero (an empty check would prove nothing)."""
+    values = np.concatenate([padding_values(tree) for tree in trees])
+    assert values.size, "nothing is padded: this check needs a leaf that the shard axes do not divide"
+    assert not values.any(), f"{np.count_nonzero(values)} non-zero padding elements"
+
+
 def run_nnx_blocks(blocks, x, scan: bool):
     """NNX blocks as the NNX docs run them: ``nnx.scan`` over stacked blocks, or a Python loop."""
     from flax import nnx
