@@ -145,10 +145,10 @@ def _verdict(client, records: dict[int, dict[str, Any]], ranks: dict[int, tuple]
         return None  # not armed: some process has not reached its second step or batch (compilation)
     lowest = min(ranks.values())
     ahead = [first_seen[r] for r in ranks.values() if r > lowest]
-    if not ahead or time.monotonic() - min(ahead) <= timeout_s:
+    waited = time.monotonic() - min(ahead) if ahead else 0.0
+    if waited <= timeout_s:
         return None
-    verdict = {"behind": min(pid for pid, r in ranks.items() if r == lowest),
-               "waited": time.monotonic() - min(ahead)}
+    verdict = {"behind": min(pid for pid, r in ranks.items() if r == lowest), "waited": waited}
     client.key_value_set(f"{_PREFIX}/verdict/{jax.process_index()}", json.dumps(verdict), allow_overwrite=True)
     return verdict
 
