@@ -23,6 +23,7 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_c
 import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import pathlib  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -217,11 +218,18 @@ def run_sharded(name: str, mesh: Any) -> tuple[Any, Any]:
 
 
 def max_relative_error(got: Any, want: Any) -> float:
-    """The largest ``|got - want| / (1 + |want|)`` over every leaf (parameters may grow large)."""
+    """The largest ``|got - want| / (1 + |want|)`` over every leaf (parameters may grow large).
+
+    Equal infinities (a diverging optimizer) agree; a NaN on either side is an infinite error
+    (a comparison with NaN proves nothing, and Python's ``max`` would skip it unless it came first).
+    """
     def error(g, w):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):  # equal infinities (a diverging optimizer) agree
-            return float(np.max(np.where(g == w, 0.0, np.abs(g - w) / (1 + np.abs(w)))))
+        if np.isnan(g).any() or np.isnan(w).any():
+            return math.inf
+        with np.errstate(invalid="ignore", over="ignore"):
+            worst = float(np.max(np.where(g == w, 0.0, np.abs(g - w) / (1 + np.abs(w))), initial=0.0))
+        return math.inf if math.isnan(worst) else worst  # unequal infinities: inf / inf
 
     return max(error(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
 

@@ -47,7 +47,3 @@ def batches(cfg: Config):
             "y": jax.random.randint(k2, (BATCH, cfg.seq), 0, cfg.vocab),
         }
 
-
-def max_diff(a, b) -> float:
-    """The largest absolute difference between two trees of arrays (in ``a``'s dtypes)."""
-    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y.astype(x.dtype)).max()), a, b)))

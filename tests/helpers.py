@@ -1,9 +1,11 @@
-"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks,
-the GSPMD recipe's recomputation."""
+"""Shared test references: torch.chunk layout in NumPy, device coordinates, padding, NNX blocks, divisions,
+the largest difference between two trees, the GSPMD recipe's recomputation."""
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,24 @@ def assert_torch_layout(stored, original: np.ndarray, mesh, shard_axes: tuple[st
     assert seen == set(range(n))
 
 
+def max_diff(a, b) -> float:
+    """The largest absolute difference between the paired leaves of two trees (in ``a``'s dtypes).
+
+    ``inf`` when either tree holds a NaN or an infinity: a NaN is close to nothing, and
+    Python's ``max`` over per-leaf maxima would skip one unless it came first.
+    """
+    import jax
+
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x = np.asarray(x)
+        x, y = x.astype(np.float64), np.asarray(y).astype(x.dtype).astype(np.float64)
+        if not (np.isfinite(x).all() and np.isfinite(y).all()):
+            return math.inf
+        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)))
+    return worst
+
+
 def padding_values(tree) -> np.ndarray:
     """Every padding element of every stored leaf of ``tree`` (units), concatenated, as float32.
 
@@ -63,6 +83,13 @@ def padding_values(tree) -> np.ndarray:
         return np.take(np.asarray(x), rows, layout.dim).ravel().astype(np.float32)
 
     return np.concatenate(jax.tree.leaves(map_unit_leaves(values, tree)))
+
+
+def assert_zero_padding(*trees) -> None:
+    """The trees hold padding, and every padding element is zero (an empty check would prove nothing)."""
+    values = np.concatenate([padding_values(tree) for tree in trees])
+    assert values.size, "nothing is padded: this check needs a leaf that the shard axes do not divide"
+    assert not values.any(), f"{np.count_nonzero(values)} non-zero padding elements"
 
 
 def run_nnx_blocks(blocks, x, scan: bool):
@@ -101,3 +128,33 @@ def recipe_and_jshard_flops(mesh, policy, layers=4, width=256, batch=64):
     compiled = {"recipe": recipe.lower(params, x).compile(), "jshard": ours.lower(units, x).compile()}
     return {k: matmul_flops(c.as_text()) for k, c in compiled.items()} | {
         f"{k} peak": Memory.from_compiled(c).peak for k, c in compiled.items()}
+
+
+_CONSTANT = re.compile(r"(%[\w#]+) = stablehlo\.constant dense<([-+.\deE]+)> : tensor<\w*>")
+_BROADCAST = re.compile(r"(%[\w#]+) = stablehlo\.broadcast_in_dim (%[\w#]+),")
+_DIVIDE = re.compile(r"stablehlo\.divide %[\w#]+, (%[\w#]+)")
+
+
+def collective_dtypes(stablehlo_text: str) -> dict[str, set[str]]:
+    """The result dtypes of each kind of collective in a lowered program (the dtypes the step asked for)."""
+    from jshard._report.hlo import lowered_collectives
+
+    found: dict[str, set[str]] = collections.defaultdict(set)
+    for kind, dtype in lowered_collectives(stablehlo_text):
+        found[kind].add(dtype)
+    return dict(found)
+
+
+def constant_divisors(stablehlo_text: str) -> collections.Counter:
+    """How many times a lowered program divides by each scalar constant (broadcast or not)."""
+    values: dict[str, float] = {}
+    found: collections.Counter = collections.Counter()
+    for line in stablehlo_text.splitlines():
+        if m := _CONSTANT.search(line):
+            values[m.group(1)] = float(m.group(2))
+        elif m := _BROADCAST.search(line):
+            if m.group(2) in values:
+                values[m.group(1)] = values[m.group(2)]
+        elif (m := _DIVIDE.search(line)) and m.group(1) in values:
+            found[values[m.group(1)]] += 1
+    return found

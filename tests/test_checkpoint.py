@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import padding_values
+from helpers import assert_zero_padding
 
 import jshard as js
 from jshard.checkpoint import CheckpointManager
@@ -68,8 +68,7 @@ def _assert_restored(restored, like, saved):
     for got, want in zip(jax.tree.leaves(full_got), jax.tree.leaves(full_want), strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
-    padding = padding_values(restored)
-    assert padding.size and not padding.any()
+    assert_zero_padding(restored)
 
 
 MESH4 = lambda: js.make_mesh(devices=jax.devices()[:4])  # noqa: E731

@@ -2,7 +2,9 @@
 
 import math
 import os
+import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -13,10 +15,14 @@ import jshard.demo as demo
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    """The README's demo command (<!-- demo-command -->), as a short run."""
+    """The README's demo command (its install done already), as a short run."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    command = re.search(r"<!-- demo-command -->\s*```bash\n(.*?)```", readme, re.S).group(1).strip()
+    install, run = command.split(" && ")
+    assert install == "python -m pip install '.[demo]'" and shlex.split(run)[:3] == ["python", "-m", "jshard.demo"]
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     done = subprocess.run(
-        [sys.executable, "-m", "jshard.demo", "--steps", "3", "--size", "tiny", "--sample-chars", "40"],
+        [sys.executable, *shlex.split(run)[1:], "--steps", "3", "--size", "tiny", "--sample-chars", "40"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     out = tmp_path / "jshard-demo-out" / "memory.png"  # the default folder, in the working directory

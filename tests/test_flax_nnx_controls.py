@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from flax_models import max_diff
+from helpers import constant_divisors, max_diff
 
 import jshard as js
+from jshard._report.hlo import hlo_collectives, lowered_collectives
 from jshard.flax import nnx as jnnx
 
 EVENTS: list = []
@@ -60,16 +61,18 @@ def tiny(policy=None) -> Tiny:
     return jnnx.fully_shard(model)
 
 
-def lowered(model, microbatches: int = 1) -> list[tuple[str, str]]:
-    from jshard._report.hlo import lowered_collectives
-
+def lowered_text(model, microbatches: int = 1) -> str:
     graphdef, state = nnx.split(model)
 
     def step(state, batch):
         return jnnx.value_and_grad(tiny_loss, microbatches=microbatches)(nnx.merge(graphdef, state), batch)
 
     EVENTS.clear()
-    return lowered_collectives(jax.jit(step).lower(state, TINY_BATCH).as_text())
+    return jax.jit(step).lower(state, TINY_BATCH).as_text()
+
+
+def lowered(model, microbatches: int = 1) -> list[tuple[str, str]]:
+    return lowered_collectives(lowered_text(model, microbatches))
 
 
 def grads(model, microbatches: int = 1):
@@ -107,11 +110,16 @@ def test_custom_collective_hooks():
         model.set_all_reduce_hook(lambda g, axes: g, stream=object())
 
 
-def test_gradient_divide_factor():
+def test_gradient_divide_factor_and_force_sum_reduction():
     model = tiny()
     _, before = grads(model)
-    model.blocks[2].set_gradient_divide_factor(2 * len(jax.devices()))
+    plain = constant_divisors(lowered_text(model))
     model.set_force_sum_reduction_for_comms(True)
+    split = constant_divisors(lowered_text(model))
+    # gradients are divided by 4 before their sum and by 2 after, not by 8 after (lowered functions are shared:
+    # the divisions are counted once per function, not per leaf)
+    assert set(split - plain) == {4.0, 2.0} and set(plain - split) == {8.0}
+    model.blocks[2].set_gradient_divide_factor(2 * len(jax.devices()))
     _, after = grads(model)
     kernel = lambda g, i: g["blocks"][i]["kernel"][...]  # noqa: E731
     np.testing.assert_allclose(kernel(after, 2), kernel(before, 2) / 2, rtol=1e-6)
@@ -135,6 +143,18 @@ def test_gradient_sync_and_reshard_after_backward_select_gather_once():
         lowered(model)
 
 
+def replica_all_reduces_in_loop(model, microbatches: int) -> list[bool]:
+    """For each all-reduce over the replicate axis of the compiled step: whether it runs inside the microbatch loop."""
+    graphdef, state = nnx.split(model)
+
+    def step(state, batch):
+        return jnnx.value_and_grad(tiny_loss, microbatches=microbatches)(nnx.merge(graphdef, state), batch)
+
+    hlo = jax.jit(step).lower(state, TINY_BATCH).compile().as_text()
+    replicas = "{{0,4},{1,5},{2,6},{3,7}}"  # the ("replicate", "fsdp") = (2, 4) mesh's replica pairs
+    return [c.in_loop for c in hlo_collectives(hlo) if c.kind == "all-reduce" and c.replica_groups == replicas]
+
+
 def test_requires_all_reduce_on_hsdp():
     mesh = js.make_mesh(replicate=2)
     model = Tiny(nnx.Rngs(0))
@@ -142,8 +162,10 @@ def test_requires_all_reduce_on_hsdp():
         jnnx.fully_shard(block, mesh)
     jnnx.fully_shard(model, mesh)
     _, ref = grads(model, microbatches=2)
+    assert any(replica_all_reduces_in_loop(model, microbatches=2))  # by default: once per microbatch
     model.set_requires_all_reduce(False)
-    assert count(lowered(model, microbatches=2), "all-reduce") > 0
+    in_loop = replica_all_reduces_in_loop(model, microbatches=2)
+    assert in_loop and not any(in_loop)  # once per step, after the microbatch loop
     _, once = grads(model, microbatches=2)
     assert max_diff(ref, once) < 1e-6
 

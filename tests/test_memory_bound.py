@@ -110,6 +110,11 @@ def _entry_schedule(hlo: str) -> list[tuple[str, str]]:
     return out
 
 
+ADAPTER_PREFETCH_ON_JAX_0_11 = (
+    "known on jax >= 0.11 (measured on 0.12.0.1): the first two backward re-gathers of NNX and Linen units "
+    "depend on each other again, so the adapters' backward prefetch is lost there (core units keep it)")
+
+
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in STACKED])
 def test_compiled_schedule_prefetches_one_layer_ahead(kind):
     """Unrolled, in forward: the next layer's weight is gathered before the running layer
@@ -140,6 +145,7 @@ def test_compiled_schedule_prefetches_one_layer_ahead(kind):
     # Backward prefetch is a matter of dependences (XLA:CPU's memory-minimising scheduler may still
     # issue a re-gather late): two consecutive re-gathers do not wait for each other, where without
     # prefetch each waited for the backward of the layer after it, and so for that layer's re-gather.
-    needs = _entry_dependences(hlo)
-    if kind in ("core", "nested") or jax.__version_info__ < (0, 11):  # measured on jax 0.12.0.1: the NNX
-        assert backward[0] not in needs[backward[1]], kind  # and Linen pair depend on each other again
+    independent = backward[0] not in _entry_dependences(hlo)[backward[1]]
+    if not independent and kind in ("nnx", "linen") and jax.__version_info__ >= (0, 11):
+        pytest.xfail(ADAPTER_PREFETCH_ON_JAX_0_11)
+    assert independent, kind

@@ -5,6 +5,7 @@ import os
 import pathlib
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jshard as js
+from jshard._plan.cli import parser
 from jshard._plan.frontier import frontier_from_dict
 from jshard.report import HARDWARE, Plan, PlanConfig, estimate, frontier, main, parse_bytes, plan, scaling
 
@@ -165,6 +167,18 @@ def test_command_line_reports_errors_without_tracebacks(capsys):
     assert exit_.value.code == 2 and err.startswith("python -m jshard.report plan: Plan target") and "build_2b" in err
     with pytest.raises(SystemExit, match="--remats takes policies"):
         main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--remats", "full,bogus"])
+
+
+def test_the_planning_commands_of_the_docs_parse():
+    """docs/planning.md's commands name a placeholder target and 256 devices: each parses with the
+    command line's own parser; they run on the demo's tiny model in the tests around this one."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    block = re.search(r"<!-- planning-commands -->\s*```bash\n(.*?)```", text, re.S).group(1)
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    assert [argv[:4] for argv in commands] == [["python", "-m", "jshard.report", c] for c in ("plan", "frontier",
+                                                                                              "scaling")]
+    for argv in commands:
+        assert parser().parse_args(argv[3:]).target == "pkg.module:build"
 
 
 _BROKEN_TARGETS = """

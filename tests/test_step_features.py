@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import constant_divisors
 
 import jshard as js
 from jshard._report.hlo import hlo_collectives, lowered_collectives
@@ -29,6 +30,10 @@ def _grads(policy=None, mesh=None, **kwargs):
     sharded = js.fully_shard(_params(), mesh, policy)
     loss, grads = jax.jit(js.value_and_grad(_loss, **kwargs))(sharded, X)
     return loss, js.unshard(grads)
+
+
+def _lowered(policy) -> str:
+    return jax.jit(js.value_and_grad(_loss)).lower(js.fully_shard(_params(), None, policy), X).as_text()
 
 
 @pytest.mark.parametrize("sync", [True, False])
@@ -61,6 +66,10 @@ def test_gradient_divide_factor_and_force_sum():
     np.testing.assert_allclose(halved["w"], ref / 2, rtol=1e-5, atol=1e-6)
     _, forced = _grads(js.FullyShardPolicy(force_sum_reduction_for_comms=True))
     np.testing.assert_allclose(forced["w"], ref, rtol=1e-5, atol=1e-6)
+    plain, split = (constant_divisors(_lowered(js.FullyShardPolicy(force_sum_reduction_for_comms=force)))
+                    for force in (False, True))
+    # each of the two gradients (w, s) is divided by 4 before its sum and by 2 after, not by 8 after
+    assert split - plain == {4.0: 2, 2.0: 2} and plain - split == {8.0: 2}
     mp16 = js.MixedPrecisionPolicy(reduce_dtype=jnp.float16)
     _, fp16 = _grads(js.FullyShardPolicy(mp_policy=mp16))
     np.testing.assert_allclose(fp16["w"], ref, rtol=2e-3, atol=1e-4)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import padding_values
+from helpers import assert_zero_padding, max_diff
 from jax.sharding import AxisType
 from model import batches, init_params, shard, train_reference, train_sharded
 
@@ -25,7 +25,8 @@ def _check(reference, losses, sharded, grads, state=None, tol=1e-5):
     for (path, got), want in zip(jax.tree.flatten_with_path(full)[0], jax.tree.leaves(ref_params), strict=True):
         assert got.shape == want.shape, path
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol, err_msg=str(path))
-    assert not padding_values(sharded).any() and not padding_values(grads).any()
+    assert_zero_padding(sharded)
+    assert_zero_padding(grads)
 
 
 @pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
@@ -72,9 +73,7 @@ def test_mixed_precision_stays_within_a_stated_bound(reference, reduce_dtype):
                                            batches(STEPS))
     ref_losses, ref_params = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
-    diffs = [np.abs(np.asarray(a) - np.asarray(b)).max()
-             for a, b in zip(jax.tree.leaves(js.unshard(sharded)), jax.tree.leaves(ref_params), strict=True)]
-    assert 1e-6 < max(diffs) < 3e-3  # really computed in bf16, and close
+    assert 1e-6 < max_diff(js.unshard(sharded), ref_params) < 3e-3  # really computed in bf16, and close
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(sharded))  # fp32 master shards
 
 

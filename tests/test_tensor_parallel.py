@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import max_diff
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -120,10 +121,6 @@ def train_sharded(sharded, loss, data, **grad_kw):
         sharded, state, value = step(sharded, state, b)
         losses.append(float(value))
     return np.array(losses), sharded, state, step
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in a)
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,8 +399,7 @@ def test_nnx_modules_with_partitioning_metadata_train_on_a_tp_mesh():
         losses = train(model, jnnx.value_and_grad)
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
     full = nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))
-    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), full,
-                                            nnx.to_pure_dict(nnx.state(reference, nnx.Param))))) <= 1e-5
+    assert max_diff(full, nnx.to_pure_dict(nnx.state(reference, nnx.Param))) <= 1e-5
 
 
 def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
@@ -446,8 +442,7 @@ def test_linen_params_with_partitioning_metadata_train_on_a_tp_mesh():
     assert sharded["block_1"]["down"]["kernel"].sharding.spec == P("tp", "fsdp")
     losses, sharded, _, _ = train_sharded(sharded, loss_of(model), data, grad=jlinen.value_and_grad)
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
-    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
-                                            js.unshard(sharded), ref))) <= 1e-5
+    assert max_diff(js.unshard(sharded), ref) <= 1e-5
 
 
 def test_the_docs_example_runs_and_trains(capsys):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import padding_values
+from helpers import assert_zero_padding
 from model import batches, init_params, shard, train_reference, train_sharded
 
 import jshard as js
@@ -29,7 +29,8 @@ def _check(reference, losses, sharded, grads, _state, tol=1e-5):
     np.testing.assert_allclose(losses, ref_losses, rtol=tol, atol=tol)
     for got, want in zip(jax.tree.leaves(js.unshard(sharded)), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
-    assert not padding_values(sharded).any() and not padding_values(grads).any()
+    assert_zero_padding(sharded)
+    assert_zero_padding(grads)
 
 
 @pytest.mark.parametrize(

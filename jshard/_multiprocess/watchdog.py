@@ -12,11 +12,16 @@ is still in) and it has not caught up within the timeout, counted from when this
 local clocks only, so hosts' clocks need not agree. The timeout is armed once every
 process has entered its second step (or built its second global batch, for loops that do
 not use :func:`steps`), so the first step's compilation never trips it.
-Then every process prints one diagnosis (who is behind, each process's last entered
-and left step, and the lagging process's Python stack, which it publishes itself: its
-watchdog thread runs while its main thread sleeps or waits) and exits with
-:data:`WATCHDOG_EXIT`. Processes that are all inside the same step are not behind one
-another; a step that is slow everywhere is not a hang this can name.
+The first process to see it publishes the verdict (who is behind), and every process
+adopts it at its next poll, so their own clocks need not agree on when. Then every
+process prints one diagnosis (who is behind, each process's last entered and left step,
+and the lagging process's Python stack, which it publishes itself: its watchdog thread
+runs while its main thread sleeps or waits) and exits with :data:`WATCHDOG_EXIT` once
+every process has printed its own (at most ``_PRINTED_WAIT_S`` later): the coordination
+service lives in process 0, and JAX terminates the other processes as soon as it exits,
+which cut off a slower process's diagnosis on a busy machine before. Processes that are
+all inside the same step are not behind one another; a step that is slow everywhere is
+not a hang this can name.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ LAUNCHER_TIMEOUT_S = 60.0
 CLUSTER_TIMEOUT_S = 600.0
 _POLL_S = 1.0
 _STACK_WAIT_S = 5.0
+_PRINTED_WAIT_S = 10.0
 _PREFIX = "jshard/watchdog"
 T = TypeVar("T")
 
@@ -129,46 +135,78 @@ def _diagnosis(behind: int, records: dict[int, dict[str, Any]], waited: float, t
     return "\n".join(lines)
 
 
-def _exit(text: str) -> None:
+def _verdict(client, records: dict[int, dict[str, Any]], ranks: dict[int, tuple], first_seen: dict[tuple, float],
+             timeout_s: float) -> dict[str, Any] | None:
+    """The verdict another process published, else this process's own once someone stayed behind too long."""
+    published = client.key_value_dir_get(f"{_PREFIX}/verdict/")
+    if published:
+        return json.loads(published[0][1])
+    if min(max(r["count"], r["batches"]) for r in records.values()) < 2:
+        return None  # not armed: some process has not reached its second step or batch (compilation)
+    lowest = min(ranks.values())
+    ahead = [first_seen[r] for r in ranks.values() if r > lowest]
+    waited = time.monotonic() - min(ahead) if ahead else 0.0
+    if waited <= timeout_s:
+        return None
+    verdict = {"behind": min(pid for pid, r in ranks.items() if r == lowest), "waited": waited}
+    client.key_value_set(f"{_PREFIX}/verdict/{jax.process_index()}", json.dumps(verdict), allow_overwrite=True)
+    return verdict
+
+
+def _stack_of(client, behind: int) -> str:
+    """The lagging process's stack: this one's, published for the others, or the one it published."""
+    if behind == jax.process_index():
+        stack = _stack_of_main_thread()
+        client.key_value_set(f"{_PREFIX}/stack/{behind}", stack, allow_overwrite=True)
+        return stack
+    try:
+        return client.blocking_key_value_get(f"{_PREFIX}/stack/{behind}", int(_STACK_WAIT_S * 1000))
+    except Exception:
+        return "(it did not publish its stack)\n"
+
+
+def _exit_once_everyone_printed(client, text: str, count: int) -> None:
+    """Print the diagnosis, then exit once every process printed its own (or after ``_PRINTED_WAIT_S``).
+
+    The coordination service lives in process 0: when it exits, JAX terminates the others at
+    once, so a process that exited right after printing could cut off a slower one's diagnosis.
+    """
     print(text, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    deadline = time.monotonic() + _PRINTED_WAIT_S
+    try:
+        client.key_value_set(f"{_PREFIX}/printed/{jax.process_index()}", "1", allow_overwrite=True)
+        while len(client.key_value_dir_get(f"{_PREFIX}/printed/")) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the service is gone: nobody is left to wait for
+        pass
     os._exit(WATCHDOG_EXIT)
 
 
 def _watch(timeout_s: float) -> None:
     client = distributed.global_state.client
-    me, count = jax.process_index(), jax.process_count()
+    count = jax.process_count()
     first_seen: dict[tuple, float] = {}  # progress -> when this process first saw someone reach it
     while True:
         time.sleep(_POLL_S)
         try:
             entries = client.key_value_dir_get(f"{_PREFIX}/progress/")
+            records = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in entries}
+            if len(records) < count:
+                continue
+            ranks = {pid: _rank(r) for pid, r in records.items()}
+            for rank in set(ranks.values()):
+                first_seen.setdefault(rank, time.monotonic())
+            verdict = _verdict(client, records, ranks, first_seen, timeout_s)
+            if verdict is None:
+                continue
+            behind = verdict["behind"]
+            stack = _stack_of(client, behind)
         except Exception:  # the service is gone: the job is ending
             return
-        records = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in entries}
-        if len(records) < count:
-            continue
-        now = time.monotonic()
-        ranks = {pid: _rank(r) for pid, r in records.items()}
-        for rank in set(ranks.values()):
-            first_seen.setdefault(rank, now)
-        if min(max(r["count"], r["batches"]) for r in records.values()) < 2:
-            continue  # not armed: some process has not reached its second step or batch (compilation)
-        lowest = min(ranks.values())
-        ahead = [first_seen[r] for r in ranks.values() if r > lowest]
-        if not ahead or now - min(ahead) <= timeout_s:
-            continue
-        behind = min(pid for pid, r in ranks.items() if r == lowest)
-        text = _diagnosis(behind, records, now - min(ahead), timeout_s)
-        if behind == me:
-            stack = _stack_of_main_thread()
-            client.key_value_set(f"{_PREFIX}/stack/{me}", stack, allow_overwrite=True)
-        else:
-            try:
-                stack = client.blocking_key_value_get(f"{_PREFIX}/stack/{behind}", int(_STACK_WAIT_S * 1000))
-            except Exception:
-                stack = "(it did not publish its stack)\n"
-        _exit(f"{text}\n  Python stack of process {behind} (main thread), most recent call last:\n{stack.rstrip()}")
+        text = _diagnosis(behind, records, verdict["waited"], timeout_s)
+        stack_text = f"  Python stack of process {behind} (main thread), most recent call last:\n{stack.rstrip()}"
+        _exit_once_everyone_printed(client, f"{text}\n{stack_text}", count)
 
 
 def timeout_from_env(default_s: float) -> float | None:
