@@ -31,7 +31,7 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
     out = list(entries)
     together: dict[tuple, list[tuple[int, LeafComm]]] = {}
     phased = phases_pay_off([math.prod(layout.padded_shape) * np.dtype(layout.dtype).itemsize for layout in meta.layouts
-                             if layout is not None and layout.sharded and not layout.ignored])
+                             if layout is not None and layout.sharded and not layout.ignored], in_loop=layer)
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:
             comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer,
