@@ -1,0 +1,87 @@
+"""Born sharded through the Flax adapters and Optax: an NNX model built under ``nnx.jit``, a Linen
+``model.init`` under ``jax.jit``, and the optimizer state made there, all split like the eager route."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+import jshard as js
+from jshard.flax import linen as jlinen
+from jshard.flax import nnx as jnnx
+
+
+def assert_same_placement_and_values(traced, eager):
+    for (path, x), y in zip(jax.tree.leaves_with_path(traced), jax.tree.leaves(eager), strict=True):
+        where = jax.tree_util.keystr(path)
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (where, x.sharding, y.sharding)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=where)
+
+
+def assert_state_split_like(state, params):
+    """Adam's mu and nu (every state leaf but the counts) are split over "fsdp" like the parameters."""
+    mirrored = [x for x in jax.tree.leaves(state) if x.ndim]
+    assert len(mirrored) == 2 * len([x for x in jax.tree.leaves(params) if x.ndim])
+    for x in mirrored:
+        assert "fsdp" in jax.tree.leaves(tuple(x.sharding.spec)), (x.shape, x.sharding)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(20, 36, rngs=rngs)
+        self.down = nnx.Linear(36, 20, rngs=rngs)
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+        self.head = nnx.Linear(20, 10, rngs=rngs)
+
+
+@pytest.mark.parametrize("wrap", ["shard_optimizer", "plain"])
+def test_nnx_model_built_under_nnx_jit_is_split_with_its_optimizer(wrap):
+    mesh = js.make_mesh()
+
+    def build():
+        model = Model(nnx.Rngs(0))
+        for block in model.blocks:
+            jnnx.fully_shard(block, mesh)
+        model = jnnx.fully_shard(model, mesh)
+        tx = jnnx.shard_optimizer(model, optax.adam(1e-3)) if wrap == "shard_optimizer" else optax.adam(1e-3)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    (model, optimizer), (eager, _) = nnx.jit(build)(), build()
+    assert model.blocks[0].up.kernel.get_value().sharding.spec[0] == "fsdp"
+    params = nnx.state(model, nnx.Param)
+    assert_same_placement_and_values(params, nnx.state(eager, nnx.Param))
+    assert_state_split_like(nnx.state(optimizer, nnx.optimizer.OptState), params)
+
+
+class MLP(nn.Module):
+    mesh: jax.sharding.Mesh
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = jlinen.fully_shard(nn.Dense, mesh=self.mesh)(36, name=f"block{i}")(x)
+        return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_linen_init_under_jit_is_split_with_its_optimizer(axis_type):
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(axis_type,))
+    model, x = jlinen.fully_shard(MLP, mesh=mesh)(mesh), jnp.ones((8, 20))
+    tx = js.shard_optimizer(optax.adam(1e-3))
+
+    def build(key):
+        params = jlinen.shard_params(model, model.init(key, x)["params"], x)
+        return params, tx.init(params)
+
+    key = jax.random.key(0)
+    (params, state), (eager, _) = jax.jit(build)(key), build(key)
+    assert_same_placement_and_values(params, eager)
+    assert_state_split_like(state, params)
