@@ -1,6 +1,9 @@
 """Born sharded through the Flax adapters and Optax: an NNX model built under ``nnx.jit``, a Linen
 ``model.init`` under ``jax.jit``, and the optimizer state made there, all split like the eager route."""
 
+import pathlib
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ from jshard.flax import nnx as jnnx
 
 
 def assert_same_placement_and_values(traced, eager):
+    assert jax.tree.structure(traced) == jax.tree.structure(eager)  # units, metas and layouts included
     for (path, x), y in zip(jax.tree.leaves_with_path(traced), jax.tree.leaves(eager), strict=True):
         where = jax.tree_util.keystr(path)
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (where, x.sharding, y.sharding)
@@ -85,3 +89,32 @@ def test_linen_init_under_jit_is_split_with_its_optimizer(axis_type):
     (params, state), (eager, _) = jax.jit(build)(key), build(key)
     assert_same_placement_and_values(params, eager)
     assert_state_split_like(state, params)
+
+
+def hf_snippet() -> str:
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "born_sharded.md").read_text()
+    return re.search(r"<!-- hf-born-sharded -->\s*```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_hugging_face_init_weights_under_jit_is_split_like_the_eager_route():
+    """docs/born_sharded.md's block on a tiny GPT-2, against init_weights on one device, then shard_params.
+
+    The unsharded init is jitted too: run op by op, Hugging Face's ``normal * std`` rounds differently from
+    XLA's fused kernel (1 ulp), whatever the sharding."""
+    import transformers
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=61, n_positions=16)
+    input_ids = jnp.zeros((8, 12), jnp.int32)
+    scope = {"model_class": transformers.FlaxGPT2LMHeadModel, "config": config, "Layer": FlaxGPT2Block,
+             "input_ids": input_ids}
+    with jax.numpy_dtype_promotion("standard"):
+        exec(hf_snippet(), scope)
+        model, units = scope["model"], scope["units"]
+        eager = jlinen.shard_params(lambda p, ids: model(ids, params=p),
+                                    jax.jit(model.init_weights, static_argnums=1)(jax.random.key(0), input_ids.shape),
+                                    input_ids, units=units)
+    params = scope["params"]
+    assert jax.tree.structure(params) == jax.tree.structure(eager)  # the same units, with the same layouts
+    assert params["transformer"]["h"]["0"]["attn"]["c_attn"]["kernel"].sharding.spec[0] == "fsdp"
+    assert_same_placement_and_values(params, eager)
