@@ -118,3 +118,27 @@ def test_hugging_face_init_weights_under_jit_is_split_like_the_eager_route():
     assert jax.tree.structure(params) == jax.tree.structure(eager)  # the same units, with the same layouts
     assert params["transformer"]["h"]["0"]["attn"]["c_attn"]["kernel"].sharding.spec[0] == "fsdp"
     assert_same_placement_and_values(params, eager)
+
+
+class TensorParallelMLP(nn.Module):
+    mesh: jax.sharding.Mesh
+
+    @nn.compact
+    def __call__(self, x):
+        kernel_init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "tp"))
+        h = jlinen.fully_shard(nn.Dense, mesh=self.mesh)(32, kernel_init=kernel_init, name="up")(x)
+        return nn.Dense(4)(h)
+
+
+def test_linen_params_split_over_tp_by_their_metadata_keep_it_under_jit():
+    """The kernel boxed over "tp" gets the FSDP split too, as eagerly (main gave P(None, 'tp') under jit)."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+    model, x = jlinen.fully_shard(TensorParallelMLP, mesh=mesh)(mesh), jnp.ones((8, 16))
+
+    def build(key):
+        return jlinen.shard_params(model, model.init(key, x)["params"], x)
+
+    key = jax.random.key(0)
+    params, eager = jax.jit(build)(key), build(key)
+    assert tuple(params["up"]["kernel"].sharding.spec) == tuple(eager["up"]["kernel"].sharding.spec) == ("fsdp", "tp")
+    assert_same_placement_and_values(params, eager)

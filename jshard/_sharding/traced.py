@@ -49,29 +49,26 @@ def check_not_manual(path: Any, leaf: Any, shard_axes: tuple[str, ...], sizes: d
 
 
 def check_computed_split(path: Any, leaf: Any, shard_axes: tuple[str, ...], sizes: dict[str, int]) -> None:
-    """Refuse a traced leaf whose type pins it whole on every device over an ``Explicit`` shard axis.
+    """Refuse a leaf traced under a mesh context whose ``Explicit`` shard axes its type does not split.
 
-    Traced under ``jax.set_mesh`` of a mesh whose shard axes are ``Explicit``, every op of the
-    initialiser carries its type's sharding: a leaf made unsplit is computed whole on each device
-    before ``fully_shard`` sees it, and placing it afterwards cannot undo that.
+    Under ``jax.set_mesh`` every op of the initialiser carries its type's sharding on the
+    context's ``Explicit`` axes: a leaf made unsplit is computed whole on each device before
+    ``fully_shard`` sees it, and placing it afterwards cannot undo that.
     """
-    if not is_traced(leaf):
+    context = jax.sharding.get_abstract_mesh()
+    if not is_traced(leaf) or not context.axis_names:
         return
     typed = jax.typeof(leaf).sharding
-    mesh = getattr(typed, "mesh", None)
-    if mesh is None or not mesh.axis_names:
-        return
-    split = {n for e in typed.spec if e is not None for n in ((e,) if isinstance(e, str) else e)}
-    pinned = [n for n in shard_axes if n in mesh.axis_names and n not in split
-              and mesh.axis_types[mesh.axis_names.index(n)] == AxisType.Explicit]
+    split = {n for e in getattr(typed, "spec", ()) if e is not None for n in ((e,) if isinstance(e, str) else e)}
+    pinned = [n for n in shard_axes if n in context.axis_names and n not in split
+              and context.axis_types[context.axis_names.index(n)] == AxisType.Explicit]
     if pinned:
         raise ValueError(
             f"Leaf {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} was computed whole on every device: "
-            f"its type is not split over mesh axis {pinned[0]!r} (size {sizes[pinned[0]]}), which is Explicit, so "
-            "each device holds all of its rows before fully_shard places it (it was traced under `jax.set_mesh`, "
-            "or placed by a sharding that leaves that axis out). Trace the initialiser without the mesh context "
-            "(call jax.jit(...) outside `with jax.set_mesh(...)`: XLA then computes only each device's rows), "
-            "and leave the axis to fully_shard."
+            f"it was traced under `jax.set_mesh`, where mesh axis {pinned[0]!r} (size {sizes[pinned[0]]}) is "
+            "Explicit and its type does not split it, so each device made all of its rows before fully_shard "
+            "placed it. Trace the initialiser without the mesh context (call jax.jit(...) outside `with "
+            "jax.set_mesh(...)`): XLA then computes only each device's rows."
         )
 
 
