@@ -68,7 +68,8 @@ def check_computed_split(path: Any, leaf: Any, shard_axes: tuple[str, ...], size
             f"it was traced under `jax.set_mesh`, where mesh axis {pinned[0]!r} (size {sizes[pinned[0]]}) is "
             "Explicit and its type does not split it, so each device made all of its rows before fully_shard "
             "placed it. Trace the initialiser without the mesh context (call jax.jit(...) outside `with "
-            "jax.set_mesh(...)`): XLA then computes only each device's rows."
+            "jax.set_mesh(...)`): XLA then computes only each device's rows; or make the leaf split over that "
+            "axis where it is created (`out_sharding=` of jax.random / jnp, or Flax partitioning metadata naming it)."
         )
 
 
