@@ -165,3 +165,11 @@ def test_llama_3_70b_initialised_on_256_devices_holds_about_its_share_compile_on
     assert n == 256 and got["stored"] > 260 * 2**30
     assert got["output"] <= share + 2**20
     assert got["output"] + got["temp"] <= share + 8 * largest < got["stored"] / 80  # vmapped draws: a few words
+
+
+def test_a_leaf_traced_on_a_mesh_with_auto_model_axes_is_refused():
+    """Its tensor-parallel split is not in its type, so the eager layout could not be kept."""
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    with pytest.raises(ValueError, match=r"Leaf \['bias'\] of shape \(3, 36\) is traced on a mesh whose model axis "
+                                         r"'tp' \(size 2\) is Auto.*Make the model axes Explicit"):
+        jax.jit(lambda key: js.fully_shard(init(key)["blocks"], mesh))(jax.random.key(0))

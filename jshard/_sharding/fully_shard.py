@@ -18,7 +18,13 @@ from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad
 from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
 from jshard._sharding.model_axes import model_spec
 from jshard._sharding.policies import FullyShardPolicy
-from jshard._sharding.traced import check_computed_split, check_not_manual, is_traced, place_traced
+from jshard._sharding.traced import (
+    check_computed_split,
+    check_model_axes_visible,
+    check_not_manual,
+    is_traced,
+    place_traced,
+)
 from jshard._sharding.unit import FSDPUnit, UnitMeta, is_unit
 
 
@@ -104,7 +110,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
       ValueError: an empty tree, a sub-tree twice in a list, a non-array leaf, a
         placement dim out of range, a mesh without the needed axes; a traced leaf that
         every device computed whole (under ``jax.set_mesh`` with ``Explicit`` shard axes)
-        or traced inside ``shard_map``.
+        or traced inside ``shard_map``, or traced on a mesh whose model axes are ``Auto``.
       RuntimeError: ``params`` is already a unit.
 
     Example:
@@ -134,6 +140,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     layouts: list[LeafLayout | None] = [None] * len(entries_with_path)
     for i in own:
         check_not_manual(*entries_with_path[i], axes.shard, dict(mesh.shape))
+        check_model_axes_visible(*entries_with_path[i], mesh, axes.model)
         layouts[i] = leaf_layout(*entries_with_path[i], axes, policy, mesh=mesh)
         if layouts[i].sharded and not layouts[i].ignored:
             check_computed_split(*entries_with_path[i], axes.shard, dict(mesh.shape))

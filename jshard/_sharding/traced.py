@@ -14,7 +14,9 @@ initialiser (JAX's partitionable threefry, ``jax.config.jax_threefry_partitionab
 default) draws only the device's own rows, with the values of the unsharded draw. Two
 routes cannot be split that way and raise: a leaf traced under ``jax.set_mesh`` with
 ``Explicit`` shard axes, whose type pins it whole on every device before ``fully_shard``
-sees it, and a leaf traced inside ``shard_map`` over the shard axes (a per-device block).
+sees it, and a leaf traced inside ``shard_map`` over the shard axes (a per-device block);
+and on a mesh whose model axes are ``Auto`` a traced leaf's tensor-parallel split is not in
+its type, so it cannot be kept as eagerly: an error too (make those axes ``Explicit``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,25 @@ def check_not_manual(path: Any, leaf: Any, shard_axes: tuple[str, ...], sizes: d
             f"over mesh axis {manual[0]!r} (size {sizes[manual[0]]}): there each device holds its own block, "
             "which fully_shard cannot split again. Call fully_shard outside shard_map, e.g. inside "
             "jax.jit(lambda key: js.fully_shard(init(key), mesh))."
+        )
+
+
+def check_model_axes_visible(path: Any, leaf: Any, mesh: Any, model: tuple[tuple[str, int], ...]) -> None:
+    """Refuse a traced leaf on a mesh with ``Auto`` model axes: its type cannot show a split over them.
+
+    Eagerly a leaf placed over a model axis (tensor parallel) keeps that split; traced, only
+    ``Explicit`` axes are in the value's type, so an ``Auto`` one would be dropped unnoticed.
+    """
+    if not is_traced(leaf):
+        return
+    auto = [(n, size) for n, size in model if n in axes_of_type(mesh, AxisType.Auto)]
+    if auto:
+        raise ValueError(
+            f"Leaf {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} is traced on a mesh whose model axis "
+            f"{auto[0][0]!r} (size {auto[0][1]}) is Auto: a traced value's type does not say whether it is split "
+            "over an Auto axis, so fully_shard cannot keep a tensor-parallel split there as the eager call does. "
+            "Make the model axes Explicit (jax.make_mesh(..., axis_types=...)) to initialise under jit, or call "
+            "fully_shard on concrete arrays."
         )
 
 
