@@ -140,6 +140,28 @@ def test_jshard_checkpoint_saved_by_two_processes_restores_in_one_on_another_mes
     np.testing.assert_allclose(float(loss), reference[2], rtol=TOL, atol=TOL)
 
 
+def test_two_processes_initialise_born_sharded_like_one(tmp_path):
+    """Each process of 2 x 4 makes only its own devices' shards under jit, with the values of 1 x 8."""
+    import born_init
+
+    args = ["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "born_sharded.py"), str(tmp_path)]
+    rc, log, _ = _launch(tmp_path, args, timeout_s=150)
+    assert rc == 0, log
+    build = jax.jit(born_init.sharded_init(js.make_mesh()))
+    reference = born_init.shards(build(jax.random.key(0)))
+    per_device = build.lower(jax.random.key(0)).compile().memory_analysis().output_size_in_bytes
+    got = {}
+    for i in range(2):
+        saved = np.load(tmp_path / f"shards{i}.npz")
+        assert int(saved["output_bytes"]) == per_device  # each device holds its share, as in 1 x 8
+        mine = {k: saved[k] for k in saved.files if k != "output_bytes"}
+        assert sum(k.startswith("['head']|") for k in mine) == 4  # its 4 devices' rows of the 8
+        got.update(mine)
+    assert sorted(got) == sorted(reference)
+    for k, want in reference.items():
+        np.testing.assert_array_equal(got[k], want, err_msg=k)
+
+
 def test_processes_that_disagree_get_the_same_clear_error(tmp_path):
     args = ["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "mismatch.py")]
     rc, log, _ = _launch(tmp_path, args, timeout_s=120, env={agreement.SYNC_TIMEOUT: "5"})

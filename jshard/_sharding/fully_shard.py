@@ -18,6 +18,13 @@ from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad
 from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
 from jshard._sharding.model_axes import model_spec
 from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.traced import (
+    check_computed_split,
+    check_model_axes_visible,
+    check_not_manual,
+    is_traced,
+    place_traced,
+)
 from jshard._sharding.unit import FSDPUnit, UnitMeta, is_unit
 
 
@@ -68,10 +75,15 @@ def shard_leaves(leaves: list[Any], layouts: list[LeafLayout], shardings: list[A
             out[i] = jax.ShapeDtypeStruct(layout.padded_shape, layout.dtype, sharding=sharding)
         else:
             concrete.append(i)
-    if concrete:
-        fn = _padder(tuple(layouts[i] for i in concrete), tuple(shardings[i] for i in concrete))
-        for i, y in zip(concrete, fn([leaves[i] for i in concrete]), strict=True):
+    eager = [i for i in concrete if not is_traced(leaves[i])]
+    if eager:
+        fn = _padder(tuple(layouts[i] for i in eager), tuple(shardings[i] for i in eager))
+        for i, y in zip(eager, fn([leaves[i] for i in eager]), strict=True):
             out[i] = y
+    for i in concrete:  # traced leaves, and eager ones staged into an outer trace ([Note: born sharded])
+        y = pad(leaves[i], layouts[i]) if is_traced(leaves[i]) else out[i]
+        if is_traced(y):
+            out[i] = place_traced(y, shardings[i])
     return out
 
 
@@ -81,7 +93,9 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     Apply it bottom-up: to each block, then to the root; sub-trees already returned by
     ``fully_shard`` stay their own units. Every non-ignored leaf with ``ndim >= 1`` is
     sharded on its placement dim (default 0) over the shard axes, zero-padded at the end
-    to a multiple of the shard size ``N``; 0-d leaves stay replicated.
+    to a multiple of the shard size ``N``; 0-d leaves stay replicated. Traced inside
+    ``jax.jit`` (a model initialised there: "born sharded") it gives the eager layout and
+    values, each device computing only its own rows ([Note: born sharded]).
 
     Args:
       params: a pytree of arrays (or ``jax.ShapeDtypeStruct`` for planning), or a list
@@ -94,7 +108,9 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
 
     Raises:
       ValueError: an empty tree, a sub-tree twice in a list, a non-array leaf, a
-        placement dim out of range, a mesh without the needed axes.
+        placement dim out of range, a mesh without the needed axes; a traced leaf that
+        every device computed whole (under ``jax.set_mesh`` with ``Explicit`` shard axes)
+        or traced inside ``shard_map``, or traced on a mesh whose model axes are ``Auto``.
       RuntimeError: ``params`` is already a unit.
 
     Example:
@@ -123,7 +139,11 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     own = [i for i, (_, x) in enumerate(entries_with_path) if not is_unit(x)]
     layouts: list[LeafLayout | None] = [None] * len(entries_with_path)
     for i in own:
+        check_not_manual(*entries_with_path[i], axes.shard, dict(mesh.shape))
+        check_model_axes_visible(*entries_with_path[i], mesh, axes.model)
         layouts[i] = leaf_layout(*entries_with_path[i], axes, policy, mesh=mesh)
+        if layouts[i].sharded and not layouts[i].ignored:
+            check_computed_split(*entries_with_path[i], axes.shard, dict(mesh.shape))
     meta = UnitMeta(mesh, axes, policy, tuple(layouts))
     check_unit([path for path, _ in entries_with_path], meta)  # multi-process only
     return FSDPUnit(jax.tree.unflatten(treedef, shard_own(meta, [x for _, x in entries_with_path])), meta)

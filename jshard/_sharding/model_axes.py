@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jshard._sharding.mesh import MeshAxes
@@ -38,16 +39,24 @@ def incoming_model_axes(leaf: Any, mesh: Any, axes: MeshAxes) -> Entries:
     """Per dim, the model axes that split ``leaf`` as it arrives (``()`` when none do).
 
     Only a ``NamedSharding`` on a mesh of the unit's axes counts (a leaf placed elsewhere,
-    e.g. on one device, has nothing to keep); data-parallel axes in it are dropped (jshard
-    places the leaf over them itself).
+    e.g. on one device, has nothing to keep; a traced leaf's is its type's); data-parallel
+    axes in it are dropped (jshard places the leaf over them itself).
     """
-    sharding = getattr(leaf, "sharding", None)
+    sharding = incoming_sharding(leaf)
     if not axes.model or not isinstance(sharding, NamedSharding) or not _same_mesh(sharding.mesh, mesh):
         return ()
     spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
     model = set(axes.model_names)
     entries = tuple(tuple(n for n in _names(e) if n in model) for e in spec)
     return entries if any(entries) else ()
+
+
+def incoming_sharding(leaf: Any) -> Any:
+    """The sharding ``leaf`` arrives with: a concrete array's, or a traced value's type's (its
+    ``Explicit`` axes: a traced value's ``Auto`` split is not known before XLA's propagation)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return jax.typeof(leaf).sharding
+    return getattr(leaf, "sharding", None)
 
 
 def spec_of(entries: list[tuple[str, ...]] | Entries) -> PartitionSpec:
