@@ -79,9 +79,10 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
     return found
 
 
-def frees_outside_checkpoints(jaxpr: Any) -> bool:
+def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
     """Whether a gathered value is freed (named :data:`FREE`) outside every ``jax.checkpoint``
-    of ``jaxpr``: only then does the step need a checkpoint of its own around the loss.
+    among ``eqns``: only then does the step need a checkpoint of its own around the loss (or
+    around one of its segments).
 
     [Note: recompute once] Layers under :func:`jshard.scan` are checkpointed per iteration
     with the step's policy. A checkpoint around the whole loss would apply its policy to
@@ -91,10 +92,11 @@ def frees_outside_checkpoints(jaxpr: Any) -> bool:
     loss is checkpointed as a whole only where a unit gathered outside those bodies must be
     freed (``reshard_after_forward`` of a unit gathered at the top level).
     """
-    for eqn in jaxpr.eqns:
+    for eqn in eqns:
         if eqn.primitive.name == "name" and eqn.params.get("name") == FREE:
             return True
-        if eqn.primitive is not _checkpoint_primitive() and any(frees_outside_checkpoints(j) for j in _sub_jaxprs(eqn)):
+        if eqn.primitive is not _checkpoint_primitive() and any(
+                frees_outside_checkpoints(j.eqns) for j in _sub_jaxprs(eqn)):
             return True
     return False
 
@@ -177,7 +179,9 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
     def token_of(vals: Sequence[Any]) -> jax.Array:
         return depend(jax.numpy.zeros((), jax.numpy.float32), [vals[i] for i in act_at])
 
-    checkpointed = jax.checkpoint(run, policy=policy)
+    # [Note: recompute once]: a segment whose gathers are all checkpointed inside it (a stack's
+    # scan) runs as it is; a checkpoint around it would recompute the whole scan.
+    checkpointed = jax.checkpoint(run, policy=policy) if frees_outside_checkpoints(seg.eqns) else run
 
     @jax.custom_vjp
     def segment(vals, token):
@@ -221,7 +225,7 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
         flat_args = jax.tree.leaves(args)
         if len(pieces) <= 1:
             whole = jcore.jaxpr_as_fun(closed)
-            if frees_outside_checkpoints(jaxpr):  # see [Note: recompute once]
+            if frees_outside_checkpoints(jaxpr.eqns):  # see [Note: recompute once]
                 whole = jax.checkpoint(whole, policy=policy)
             return jax.tree.unflatten(jax.tree.structure(shape), whole(*flat_args))
         segments = [_Segment(p) for p in pieces]
