@@ -75,7 +75,7 @@ class Plan:
         assignment could be read (plans run in a planning subprocess; see
         [Note: temporary buffers]).
       dcn_bytes: bytes each device hands the data-center network per step (multi-slice TPU
-        plans: XLA:TPU compiles a collective across slices to ``send``s to its megascale
+        plans: XLA:TPU compiles a collective across slices to ``send`` ops to its megascale
         runtime, outside the slice's collectives above); 0 on one slice.
 
     Example:

@@ -248,7 +248,7 @@ _MEGASCALE_SEND = re.compile(r"^\s*%?[\w.\-]+ = \((\w+)\[([\d,]*)\][^,]*,.* send
 
 def data_center_bytes(hlo_text: str) -> float:
     """Bytes each device sends across TPU slices per step: a multi-slice program's collectives
-    between slices are ``send``s to XLA:TPU's megascale runtime (loop trip counts included)."""
+    between slices are ``send`` ops to XLA:TPU's megascale runtime (loop trip counts included)."""
     counts = loop_counts(hlo_text)
     total, current = 0.0, ""
     for line in hlo_text.splitlines():
