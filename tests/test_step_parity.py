@@ -78,13 +78,15 @@ def test_mixed_precision_stays_within_a_stated_bound(reference, reduce_dtype):
 
 
 @pytest.mark.parametrize("phases", [(2, 2, 2), (4, 2)], ids=str)
-def test_parity_with_the_gradient_reduce_scatter_split_in_torus_phases(reference, monkeypatch, phases):
-    """What a v5p slice runs ([Note: torus phases]): one reduce-scatter per torus dimension,
-    forced here on CPU devices, trains like the single reduce-scatter (HSDP too)."""
+def test_parity_with_the_collectives_split_in_torus_phases(reference, monkeypatch, phases):
+    """What a v5p slice runs ([Note: torus phases]): one reduce-scatter per torus dimension, and
+    on v5p-128 and up one all-gather per dimension, forced here on CPU devices, trains like the
+    single collectives (HSDP too)."""
     import jshard._sharding.mesh as mesh_module
 
     for replicate, mesh_phases in ((1, phases), (2, (2, 2))):
         monkeypatch.setattr(mesh_module, "scatter_phases", lambda mesh, shard_axes, p=mesh_phases: p)
+        monkeypatch.setattr(mesh_module, "gather_phases", lambda mesh, shard_axes, p=mesh_phases: p)
         sharded = shard(init_params(), js.make_mesh(replicate=replicate))
-        assert sharded.meta.axes.scatter_phases == mesh_phases
+        assert sharded.meta.axes.scatter_phases == sharded.meta.axes.gather_phases == mesh_phases
         _check(reference, *train_sharded(sharded, batches(STEPS)))

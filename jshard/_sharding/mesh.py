@@ -12,7 +12,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jshard._sharding.policies import DataParallelMeshDims, FullyShardPolicy
-from jshard._sharding.torus import scatter_phases
+from jshard._sharding.torus import gather_phases, scatter_phases
 
 
 def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -85,7 +85,8 @@ class MeshAxes:
     axes"): leaves may arrive sharded over them, and the step leaves them to GSPMD or
     explicit sharding (see docs/parallelism.md). ``scatter_phases``: how a gradient's
     reduce-scatter over the shard axes follows the TPU torus, one phase per dimension
-    (``()``: one reduce-scatter; see [Note: torus phases] in ``torus.py``).
+    (``()``: one reduce-scatter; see [Note: torus phases] in ``torus.py``); ``gather_phases``
+    the same for a parameter's all-gather.
     """
 
     shard: tuple[str, ...]
@@ -94,6 +95,7 @@ class MeshAxes:
     replicate_size: int
     model: tuple[tuple[str, int], ...] = ()
     scatter_phases: tuple[int, ...] = ()
+    gather_phases: tuple[int, ...] = ()
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -151,6 +153,7 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
         replicate_size=math.prod(mesh.shape[a] for a in dims.replicate),
         model=tuple((a, mesh.shape[a]) for a in names if a not in dims.shard + dims.replicate),
         scatter_phases=scatter_phases(mesh, dims.shard),
+        gather_phases=gather_phases(mesh, dims.shard),
     )
 
 

@@ -1,4 +1,4 @@
-"""How a gradient reduce-scatter follows the physical torus of a TPU slice.
+"""How gradient reduce-scatters and parameter all-gathers follow the physical torus of a TPU slice.
 
 [Note: torus phases] XLA:TPU on chips with a 3-D torus (v4, v5p) rewrites every
 reduce-scatter whose devices span more than one torus dimension into an all-reduce of the
@@ -22,6 +22,14 @@ all-reduce when it is a single large leaf beside small ones (a tanh layer's weig
 Measured on v5p 2x2x2: six stacked 1536 -> 4608 GELU blocks, peak 138.4 -> 111.4 MiB with
 phases; eight unrolled 1536-wide tanh layers, batch 512, 74.6 -> 25.8 MiB; four stacked
 512-wide tanh layers, 2.41 MiB without against 3.00 with.
+
+All-gathers follow the same torus, with a different threshold: XLA:TPU keeps one native
+all-gather over 8 to 64 v5p chips (2x2x2, 2x4x4, 2x4x8, 8x8 planes) but turns one over
+devices spanning all three dimensions of a 4x4x4 slice or larger (v5p-128 and up) into an
+all-reduce of a zero-filled full-size buffer: twice the bytes and three full-size buffers
+(a 64 MiB gather held 192 MiB of temporaries on 4x4x4; 88 MiB in phases). There the step
+gathers in phases, fastest dimension first (:func:`gather_phases`); each phase is a native
+all-gather along one dimension and the bytes are a ring all-gather's.
 """
 
 from __future__ import annotations
@@ -71,6 +79,21 @@ def _grid_order(coords: np.ndarray) -> tuple[tuple[int, int], ...] | None:
         if all(np.array_equal(coords[:, d], e) for d, e in zip(perm, expected, strict=True)):
             return tuple((d, sizes[d]) for d in perm)
     return None
+
+
+def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
+    """Sizes of the per-dimension phases of an all-gather over ``shard_axes`` (slowest first),
+    or ``()`` where one all-gather is kept: only where the devices span all three torus
+    dimensions with four or more chips each (see [Note: torus phases]).
+
+    Example:
+      >>> import jshard as js
+      >>> from jshard._sharding.torus import gather_phases
+      >>> gather_phases(js.make_mesh(), ("fsdp",))
+      ()
+    """
+    phases = scatter_phases(mesh, shard_axes)
+    return phases if len(phases) == 3 and min(phases) >= 4 else ()
 
 
 def phase_groups(phases: tuple[int, ...], k: int) -> list[list[int]]:

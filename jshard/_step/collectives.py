@@ -14,19 +14,33 @@ from jshard._sharding.torus import phase_groups
 Axes = tuple[str, ...]
 
 
-def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int]] | None = None) -> jax.Array:
+def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int]] | None = None,
+               phases: Sequence[int] = ()) -> jax.Array:
     """Concatenate the shards of ``x`` along ``dim`` over ``axes`` (device order).
+
+    ``groups``: gather within these groups of indices over ``axes`` only. ``phases`` (sizes
+    whose product is the size of ``axes``, slowest first) splits the gather into one per phase,
+    fastest first, over the devices that differ in that digit of their index, with the same
+    result: the TPU torus's dimensions (see [Note: torus phases] in ``torus.py``).
 
     Example:
       >>> import jax, jax.numpy as jnp, jshard as js
       >>> mesh = js.make_mesh()
-      >>> f = jax.shard_map(lambda x: js.collectives.all_gather(x, ("fsdp",), 0),
-      ...                   mesh=mesh, in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
-      >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("fsdp")))
-      >>> f(x).shape
-      (8,)
+      >>> def both(x):
+      ...     one = js.collectives.all_gather(x, ("fsdp",), 0)
+      ...     return one, js.collectives.all_gather(x, ("fsdp",), 0, phases=(2, 2, 2))
+      >>> f = jax.shard_map(both, mesh=mesh, in_specs=jax.P("fsdp"), out_specs=jax.P(), check_vma=False)
+      >>> one, phased = f(jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("fsdp"))))
+      >>> one.tolist(), bool((one == phased).all())
+      ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], True)
     """
-    return jax.lax.all_gather(x, axes, axis=dim, tiled=True, axis_index_groups=groups)
+    if len(phases) < 2:
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True, axis_index_groups=groups)
+    if groups is not None:
+        raise ValueError("all_gather takes `groups` or `phases`, not both")
+    for k in reversed(range(len(phases))):
+        x = jax.lax.all_gather(x, axes, axis=dim, tiled=True, axis_index_groups=phase_groups(phases, k))
+    return x
 
 
 def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = ()) -> jax.Array:

@@ -61,8 +61,12 @@ def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
 
 
 def _all_gather(comm: LeafComm, x: jax.Array) -> jax.Array:
-    all_gather = comm.policy.custom_all_gather or C.all_gather
-    return _unpad(comm, interleave_model(all_gather(x, comm.axes.shard, comm.layout.dim), comm.layout, comm.axes))
+    axes, dim = comm.axes, comm.layout.dim
+    if comm.policy.custom_all_gather is None:
+        full = C.all_gather(x, axes.shard, dim, phases=axes.gather_phases)
+    else:
+        full = comm.policy.custom_all_gather(x, axes.shard, dim)
+    return _unpad(comm, interleave_model(full, comm.layout, axes))
 
 
 def _unpad(comm: LeafComm, full: jax.Array) -> jax.Array:
