@@ -53,6 +53,20 @@ def test_training_matches_one_device(reference, replicate, policy, kwargs):
     _check(reference, *train_sharded(sharded, batches(STEPS), tx, **kwargs))
 
 
+def test_the_flat_buffer_follows_the_torus_in_phases(reference, monkeypatch):
+    """On a v5p slice the unit's one reduce-scatter, and on v5p-128 and up its one all-gather,
+    run one torus dimension at a time ([Note: torus phases]); forced here on CPU devices
+    (last-dim placement too), they train the same."""
+    import jshard._sharding.mesh as mesh_module
+
+    monkeypatch.setattr(mesh_module, "gather_phases", lambda mesh, shard_axes: (2, 4))
+    monkeypatch.setattr(mesh_module, "scatter_phases", lambda mesh, shard_axes: (4, 2))
+    for policy in (UNIT, dataclasses.replace(UNIT, shard_placement_fn=lambda path, x: x.ndim - 1 if x.ndim else None)):
+        sharded = shard(init_params(), js.make_mesh(), policy)
+        assert sharded.meta.axes.gather_phases == (2, 4)
+        _check(reference, *train_sharded(sharded, batches(STEPS)))
+
+
 def _mixed_unit_step(policy, raf=False):
     """One unit of leaves with different shapes, placement dims and dtypes."""
     params = {"w": jnp.ones((7, 15)) * 0.1, "v": jnp.ones((16, 17)) * 0.2, "b": jnp.zeros((15,)),

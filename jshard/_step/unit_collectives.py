@@ -6,7 +6,8 @@ shards, flattened, into one vector; one ``all_gather`` (untiled) gives ``(N, S)`
 leaf is its columns ``[offset, offset + size)`` of that, moved back to its placement dim.
 In backward each gradient is cut into its ``N`` chunks along its placement dim, the
 chunks laid side by side into ``(N, S)``, and one ``psum_scatter`` over dim 0 leaves each
-device its own row: its shards of every leaf, in order. Leaves of the unit that do not
+device its own row: its shards of every leaf, in order. Both follow the TPU torus in phases
+where the leaves' own collectives would ([Note: torus phases]). Leaves of the unit that do not
 qualify keep their own collectives.
 """
 
@@ -51,7 +52,7 @@ def _gather(comms: Sequence[LeafComm], shards: Sequence[jax.Array]) -> list[jax.
     comm0 = comms[0]
     flat = pack([to_device(s, c.offloaded).astype(c.param_dtype).ravel()
                  for c, s in zip(comms, shards, strict=True)])
-    full = jax.lax.all_gather(flat, comm0.axes.shard, axis=0, tiled=False)  # (N, S): one collective
+    full = C.all_gather(flat[None], comm0.axes.shard, 0, phases=comm0.axes.gather_phases)  # (N, S): one collective
     n, out, offset = full.shape[0], [], 0
     for c in comms:
         a, r, b = _rows(c)
@@ -74,7 +75,7 @@ def _reduce(comms: Sequence[LeafComm], grads: Sequence[jax.Array]) -> list[jax.A
     flat = jnp.concatenate(pieces, axis=1)
     if pre != 1:
         flat = flat / pre
-    mine = jax.lax.psum_scatter(flat, comm0.axes.shard, scatter_dimension=0, tiled=False)  # (S,): one collective
+    mine = C.reduce_scatter(flat, comm0.axes.shard, 0, comm0.scatter_phases)[0]  # (S,): one collective (a phase each)
     if not comm0.skip_all_reduce:
         mine = (comm0.policy.all_reduce_hook or C.all_reduce)(mine, comm0.axes.replicate)
     mine = mine / post
