@@ -130,7 +130,7 @@ def _loop(body: Callable[..., Any], h: Any, blocks: list[Any], gather: Callable[
 # ----------------------------------------------------------------- the steps
 
 
-def _compiled(step: Callable[..., Any], *args: Any) -> dict[str, float]:
+def _compiled(step: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, float]:
     compiled = step.lower(*args).compile()
     return {"peak": Memory.from_compiled(compiled).peak, "flops": matmul_flops(compiled.as_text())}
 
@@ -158,30 +158,36 @@ def _recipe(m: Model, mesh: Mesh, constrained: bool) -> dict[str, float]:
 
     step = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("fsdp"))),
                    out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings), donate_argnums=0)
-    return _compiled(step, params, _batch(m))
+    return _compiled(step, (params, _batch(m)))
 
 
-def _jshard(m: Model, mesh: Mesh) -> dict[str, float]:
+def jshard_step(m: Model, mesh: Mesh, **policy: Any) -> tuple[Any, tuple[Any, ...]]:
+    """jshard's step for ``m`` and its abstract arguments; ``policy``: more ``FullyShardPolicy`` fields."""
     params = _params(m)
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if m.bf16 else \
         js.MixedPrecisionPolicy()
     if m.stacked:
-        blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, mp_policy=mp))
+        blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(scan_axis=0, mp_policy=mp, **policy))
         run = js.scan
     else:
-        blocks = [js.fully_shard(layer, mesh, js.FullyShardPolicy(mp_policy=mp)) for layer in params["blocks"]]
+        layer_policy = js.FullyShardPolicy(mp_policy=mp, **policy)
+        blocks = [js.fully_shard(layer, mesh, layer_policy) for layer in params["blocks"]]
 
         def run(body, h, units):
             return _loop(body, h, units, js.unshard)
 
-    sharded = js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(mp_policy=mp))
+    sharded = js.fully_shard({**params, "blocks": blocks}, mesh, js.FullyShardPolicy(mp_policy=mp, **policy))
 
     def loss_fn(p, b):
         return _loss(m, run, js.unshard(p), b, "none")
 
-    policy = jax.checkpoint_policies.nothing_saveable if m.remat else None
-    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=policy), donate_argnums=0)
-    return _compiled(step, sharded, _batch(m))
+    remat = jax.checkpoint_policies.nothing_saveable if m.remat else None
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=remat), donate_argnums=0)
+    return step, (sharded, _batch(m))
+
+
+def _jshard(m: Model, mesh: Mesh) -> dict[str, float]:
+    return _compiled(*jshard_step(m, mesh))
 
 
 def measure(m: Model, mesh: Mesh) -> dict[str, dict[str, float]]:

@@ -1,0 +1,115 @@
+"""When a compiled step's all-gathers run: asynchronous or not, and what computes meanwhile.
+
+A scheduled HLO module lists each computation's instructions in execution order. An
+asynchronous all-gather is a start and a done (``all-gather-start`` / ``all-gather-done``,
+or XLA:TPU's ``async-collective-start`` / ``async-collective-done`` fusions with the gather
+inside, under its async-collective-fusion flags); what is scheduled between them overlaps
+the transfer. A synchronous ``all-gather`` overlaps nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jshard._report.hlo import COMPUTATION_HEADER
+
+_LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+_OP = re.compile(r"[\s}\]\)]([a-z][\w\-]*)\((.*)$")  # the opcode: the first name( after the type
+_CALLS = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_MATMUL_OPS = ("dot", "convolution")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledGather:
+    """One all-gather of a compiled program, where it is scheduled.
+
+    ``matmuls_overlapped``: the matmuls (dots, convolutions, fusions holding one) scheduled
+    between its start and its done (0 for a synchronous gather).
+    """
+
+    name: str
+    computation: str
+    asynchronous: bool
+    matmuls_overlapped: int
+
+
+def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str]]]:
+    """``computation -> [(instruction, opcode, rest of line)]`` in schedule order."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = COMPUTATION_HEADER.match(line)
+        if header:
+            current = out.setdefault(header.group(1), [])
+            continue
+        instr = _LINE.match(line)
+        if current is not None and instr:
+            op = _OP.search(instr.group(2))
+            if op:
+                current.append((instr.group(1), op.group(1), op.group(2)))
+    return out
+
+
+def _holds(comps: dict, name: str, ops: tuple[str, ...], seen: frozenset = frozenset()) -> bool:
+    """Whether computation ``name`` (or one it calls) has an instruction of ``ops``."""
+    for _, op, rest in comps.get(name, []):
+        if op in ops:
+            return True
+        if any(c not in seen and _holds(comps, c, ops, seen | {name}) for c in _CALLS.findall(rest)):
+            return True
+    return False
+
+
+def _calls_hold(comps: dict, rest: str, ops: tuple[str, ...]) -> bool:
+    return any(_holds(comps, c, ops) for c in _CALLS.findall(rest))
+
+
+def gather_schedule(hlo_text: str) -> list[ScheduledGather]:
+    """Every all-gather of a compiled (scheduled) program, asynchronous or not, with the
+    matmuls that run while it is in flight.
+
+    Example:
+      >>> from jshard._report.schedule import gather_schedule
+      >>> hlo = '''
+      ... ENTRY %main (p: f32[2,4]) -> f32[8,4] {
+      ...   %p = f32[2,4]{1,0} parameter(0)
+      ...   %ags = (f32[2,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%p), dimensions={0}
+      ...   %d = f32[2,2]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+      ...   ROOT %agd = f32[8,4]{1,0} all-gather-done(%ags)
+      ... }'''
+      >>> gather_schedule(hlo)
+      [ScheduledGather(name='ags', computation='main', asynchronous=True, matmuls_overlapped=1)]
+    """
+    comps = _computations(hlo_text)
+    fused = {c for instrs in comps.values() for _, op, rest in instrs if op == "fusion" for c in _CALLS.findall(rest)}
+    out = []
+    for comp, instrs in comps.items():
+        if comp in fused:  # a fusion's body is not scheduled itself: its gathers are counted where it runs
+            continue
+        open_starts: dict[str, int] = {}
+        source: dict[str, str] = {}  # a get-tuple-element -> the instruction it reads
+        for name, op, rest in instrs:
+            if op == "get-tuple-element":
+                operand = _OPERAND.findall(rest)[0]
+                source[name] = source.get(operand, operand)
+                continue
+            is_start = op == "all-gather-start" or (op == "fusion" and name.startswith("async-collective-start")
+                                                    and _calls_hold(comps, rest, ("all-gather",)))
+            if is_start:
+                open_starts[name] = 0
+            elif op == "all-gather-done" or (op == "fusion" and name.startswith("async-collective-done")):
+                started = [source.get(o, o) for o in _OPERAND.findall(rest) if source.get(o, o) in open_starts]
+                for s in started[:1]:
+                    out.append(ScheduledGather(s, comp, True, open_starts.pop(s)))
+            elif op == "all-gather":
+                out.append(ScheduledGather(name, comp, False, 0))
+            else:
+                if op in _MATMUL_OPS or (op == "fusion" and _calls_hold(comps, rest, _MATMUL_OPS)):
+                    for s in open_starts:
+                        open_starts[s] += 1
+                carried = [source.get(o, o) for o in _OPERAND.findall(rest) if source.get(o, o) in open_starts]
+                if carried:  # XLA:TPU runs a collective's steps inside the fusions between start and done
+                    source[name] = carried[0]
+    return out
