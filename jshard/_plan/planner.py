@@ -154,7 +154,8 @@ def _size(x: float) -> str:
     return f"{x / 2**30:.3f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.2f} MiB"
 
 
-def _resolve(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
+def resolve_build(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
+    """``(name, builder)``: a name imported, a builder named (its own name when not importable)."""
     if isinstance(build, str):
         return build, load_build(build)
     try:
@@ -165,7 +166,7 @@ def _resolve(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
 
 def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
     """Build, lower and compile on ``mesh`` in this process."""
-    spec, fn = _resolve(build)
+    spec, fn = resolve_build(build)
     start = time.perf_counter()
     try:
         step, args, params = call_build(fn, mesh, config)
