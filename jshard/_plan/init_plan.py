@@ -22,9 +22,8 @@ from typing import Any
 import jax
 
 from jshard._plan.compiler import CompileTarget
-from jshard._plan.failure import target_raised
-from jshard._plan.planner import compile_target, config_args, plan_mesh, resolve_build, run_in_devices
-from jshard._plan.target import PlanConfig, call_build, spec_of
+from jshard._plan.planner import compile_target, config_args, lower_target, plan_mesh, run_in_devices
+from jshard._plan.target import PlanConfig, spec_of
 from jshard._report.memory import Memory
 
 CPU_MEMORY_MINIMISING = {"xla_cpu_enable_concurrency_optimized_scheduler": False}
@@ -98,19 +97,11 @@ def _shard_bytes(shape: Any, sharding: Any) -> int:
 
 def plan_init_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> InitPlan:
     """Build, lower and compile the initialiser on ``mesh`` in this process."""
-    spec, fn = resolve_build(build)
     start = time.perf_counter()
-    try:
-        init, args, _ = call_build(fn, mesh, config)
-        lowered = (init if hasattr(init, "lower") else jax.jit(init)).lower(*args)
-        shapes = jax.eval_shape(init, *args)
-    except ValueError:  # jshard's own checks, or the user's: one line already ([Note: planning errors])
-        raise
-    except Exception as err:
-        raise target_raised(spec, err) from err
+    spec, _, _, lowered = lower_target(build, config, mesh)
     platform = mesh.devices.flat[0].platform
     compiled = lowered.compile(CPU_MEMORY_MINIMISING if platform == "cpu" else None)
-    outputs = list(zip(jax.tree.leaves(shapes), jax.tree.leaves(compiled.output_shardings), strict=True))
+    outputs = list(zip(jax.tree.leaves(lowered.out_info), jax.tree.leaves(compiled.output_shardings), strict=True))
     shards = [_shard_bytes(s, sharding) for s, sharding in outputs]
     model = sum(math.prod(s.shape) * s.dtype.itemsize for s, _ in outputs)
     return InitPlan(spec, mesh.size, platform, time.perf_counter() - start, model, sum(shards),

@@ -164,17 +164,24 @@ def resolve_build(build: Callable[..., Any] | str) -> tuple[str, Callable[..., A
         return getattr(build, "__qualname__", repr(build)), build
 
 
-def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
-    """Build, lower and compile on ``mesh`` in this process."""
+def lower_target(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> tuple:
+    """``(name, args, params, lowered)``: the builder's program built and lowered on ``mesh``, a failure
+    of the target's own code raised as one line ([Note: planning errors])."""
     spec, fn = resolve_build(build)
-    start = time.perf_counter()
     try:
-        step, args, params = call_build(fn, mesh, config)
-        lowered = (step if hasattr(step, "lower") else jax.jit(step)).lower(*args)
-    except ValueError:  # jshard's own checks, or the user's: one line already ([Note: planning errors])
+        program, args, params = call_build(fn, mesh, config)
+        lowered = (program if hasattr(program, "lower") else jax.jit(program)).lower(*args)
+    except ValueError:  # jshard's own checks, or the user's: one line already
         raise
     except Exception as err:
         raise target_raised(spec, err) from err
+    return spec, args, params, lowered
+
+
+def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
+    """Build, lower and compile on ``mesh`` in this process."""
+    start = time.perf_counter()
+    spec, args, params, lowered = lower_target(build, config, mesh)
     dump = os.environ.get(_DUMP_ENV)
     if dump:  # only the step's compile: see [Note: temporary buffers]
         for old in pathlib.Path(dump).glob("*"):
