@@ -26,7 +26,7 @@ read, original = [], pretrained.read_block
 
 def logged(file, tensor, index):
     if tensor.shape:  # 0-d leaves have no rows
-        read.append((tensor.shape, index[0].start, index[0].stop))
+        read.append((tensor.shape, *index[0].indices(tensor.shape[0])[:2]))
     return original(file, tensor, index)
 
 
