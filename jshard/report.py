@@ -19,6 +19,8 @@ from jshard._plan.hardware import HARDWARE as HARDWARE
 from jshard._plan.hardware import HardwareProfile as HardwareProfile
 from jshard._plan.hardware import hardware_of_device as hardware_of_device
 from jshard._plan.hardware import parse_bytes as parse_bytes
+from jshard._plan.init_plan import InitPlan as InitPlan
+from jshard._plan.init_plan import plan_init as plan_init
 from jshard._plan.planner import Plan as Plan
 from jshard._plan.planner import plan as plan
 from jshard._plan.scaling import Scaling as Scaling
@@ -45,6 +47,7 @@ __all__ = [
     "Frontier",
     "FrontierRow",
     "HardwareProfile",
+    "InitPlan",
     "Memory",
     "Plan",
     "PlanConfig",
@@ -63,6 +66,7 @@ __all__ = [
     "parameter_count",
     "parse_bytes",
     "plan",
+    "plan_init",
     "report_lowered",
     "scaling",
     "step_collectives",

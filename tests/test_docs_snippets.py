@@ -23,7 +23,8 @@ REPO = pathlib.Path(__file__).parents[1]
 PAGES = {  # page -> the lines its blocks print
     "docs/fsdp2.md": ["(16, 16)", "(None, 'fsdp') pinned_host", "True", "(1, 4)", "(7, 3)", "210.0"],
     "docs/flax.md": ["True", "True", "True"],
-    "docs/born_sharded.md": ["P(None, 'fsdp', None) P('fsdp', None)", "P('fsdp', None)", "P('fsdp', None)"],
+    "docs/born_sharded.md": ["P(None, 'fsdp', None) P('fsdp', None)", "P('fsdp', None)", "P('fsdp', None)",
+                             "P(None, 'fsdp') True"],
 }
 _MARKER = re.compile(r"^<!-- (.*?) -->$")
 

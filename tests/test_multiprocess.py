@@ -162,6 +162,33 @@ def test_two_processes_initialise_born_sharded_like_one(tmp_path):
         np.testing.assert_array_equal(got[k], want, err_msg=k)
 
 
+def test_two_processes_load_a_pretrained_file_each_reading_only_its_rows(tmp_path):
+    """``load_pretrained`` in 2 x 4: each process reads its own devices' rows and holds what 1 x 8 holds."""
+    import born_init
+    from safetensors.numpy import save_file
+
+    from jshard.state_dict import load_pretrained
+
+    weights = jax.tree.map(np.asarray, born_init.init(jax.random.key(1)))
+    flat = {".".join(str(k.key) for k in path): x for path, x in jax.tree.flatten_with_path(weights)[0]}
+    save_file(flat, tmp_path / "model.safetensors")
+    args = ["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "pretrained_load.py"),
+            str(tmp_path / "model.safetensors"), str(tmp_path)]
+    rc, log, _ = _launch(tmp_path, args, timeout_s=150)
+    assert rc == 0, log
+    like = jax.eval_shape(born_init.sharded_init(js.make_mesh()), jax.random.key(0))
+    reference = born_init.shards(load_pretrained(tmp_path / "model.safetensors", like))
+    got = {}
+    for i in range(2):
+        saved = np.load(tmp_path / f"loaded{i}.npz")
+        rows = saved["head_rows"]  # head (20, 10) padded to 24 rows: 3 a device, 12 a process
+        assert (rows[:, 1] <= 12).all() if i == 0 else (rows[:, 0] >= 12).all(), rows
+        got.update({k: saved[k] for k in saved.files if k != "head_rows"})
+    assert sorted(got) == sorted(reference)
+    for k, want in reference.items():
+        np.testing.assert_array_equal(got[k], want, err_msg=k)
+
+
 def test_processes_that_disagree_get_the_same_clear_error(tmp_path):
     args = ["--nproc", "2", "--devices-per-proc", "4", str(SCRIPTS / "mismatch.py")]
     rc, log, _ = _launch(tmp_path, args, timeout_s=120, env={agreement.SYNC_TIMEOUT: "5"})

@@ -10,6 +10,7 @@ from jshard._plan.compiler import CompileTarget
 from jshard._plan.failure import hand_to_parent, traceback_text
 from jshard._plan.frontier import frontier, frontier_to_dict
 from jshard._plan.hardware import HARDWARE, HardwareProfile, parse_bytes, profile
+from jshard._plan.init_plan import plan_init
 from jshard._plan.planner import plan
 from jshard._plan.scaling import scaling
 from jshard._plan.target import REMATS, PlanConfig
@@ -73,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     one = sub.add_parser("plan", help="per-device memory and collectives of one configuration")
     _mesh_flags(one, default=None)
     _config_flags(one)
+    one.add_argument("--init", action="store_true",
+                     help="plan the builder's init program (it returns (init, args)): per-device peak against "
+                          "the model's 1/N share")
     search = sub.add_parser("frontier", help="the configurations that fit a memory budget, ranked")
     _mesh_flags(search, default=None)
     search.add_argument("--hbm", required=True, help="per-device budget, e.g. 80GiB")
@@ -127,7 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     """
     args = parser().parse_args(argv)
     try:
-        if args.command == "plan":
+        if args.command == "plan" and args.init:
+            result = plan_init(_target(args), devices=args.devices, replicate=args.replicate,
+                               tensor_parallel=args.tensor_parallel, config=_config(args), target=_compiler(args))
+            print(json.dumps(result.to_dict()) if args.json else result)
+        elif args.command == "plan":
             result = plan(_target(args), devices=args.devices, replicate=args.replicate,
                           tensor_parallel=args.tensor_parallel, config=_config(args), target=_compiler(args))
             print(json.dumps(result.to_dict()) if args.json else result)

@@ -154,7 +154,8 @@ def _size(x: float) -> str:
     return f"{x / 2**30:.3f} GiB" if abs(x) >= 2**30 else f"{x / 2**20:.2f} MiB"
 
 
-def _resolve(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
+def resolve_build(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
+    """``(name, builder)``: a name imported, a builder named (its own name when not importable)."""
     if isinstance(build, str):
         return build, load_build(build)
     try:
@@ -163,17 +164,24 @@ def _resolve(build: Callable[..., Any] | str) -> tuple[str, Callable[..., Any]]:
         return getattr(build, "__qualname__", repr(build)), build
 
 
-def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
-    """Build, lower and compile on ``mesh`` in this process."""
-    spec, fn = _resolve(build)
-    start = time.perf_counter()
+def lower_target(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> tuple:
+    """``(name, args, params, lowered)``: the builder's program built and lowered on ``mesh``, a failure
+    of the target's own code raised as one line ([Note: planning errors])."""
+    spec, fn = resolve_build(build)
     try:
-        step, args, params = call_build(fn, mesh, config)
-        lowered = (step if hasattr(step, "lower") else jax.jit(step)).lower(*args)
-    except ValueError:  # jshard's own checks, or the user's: one line already ([Note: planning errors])
+        program, args, params = call_build(fn, mesh, config)
+        lowered = (program if hasattr(program, "lower") else jax.jit(program)).lower(*args)
+    except ValueError:  # jshard's own checks, or the user's: one line already
         raise
     except Exception as err:
         raise target_raised(spec, err) from err
+    return spec, args, params, lowered
+
+
+def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
+    """Build, lower and compile on ``mesh`` in this process."""
+    start = time.perf_counter()
+    spec, args, params, lowered = lower_target(build, config, mesh)
     dump = os.environ.get(_DUMP_ENV)
     if dump:  # only the step's compile: see [Note: temporary buffers]
         for old in pathlib.Path(dump).glob("*"):

@@ -19,6 +19,7 @@ from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
 from jshard._sharding.model_axes import model_spec
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.traced import (
+    check_computed_over_model_axes,
     check_computed_split,
     check_model_axes_visible,
     check_not_manual,
@@ -110,7 +111,8 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
       ValueError: an empty tree, a sub-tree twice in a list, a non-array leaf, a
         placement dim out of range, a mesh without the needed axes; a traced leaf that
         every device computed whole (under ``jax.set_mesh`` with ``Explicit`` shard axes)
-        or traced inside ``shard_map``, or traced on a mesh whose model axes are ``Auto``.
+        or computed with an ``Explicit`` type not split over the shard axes (over model axes
+        only), traced inside ``shard_map``, or traced on a mesh whose model axes are ``Auto``.
       RuntimeError: ``params`` is already a unit.
 
     Example:
@@ -144,6 +146,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
         layouts[i] = leaf_layout(*entries_with_path[i], axes, policy, mesh=mesh)
         if layouts[i].sharded and not layouts[i].ignored:
             check_computed_split(*entries_with_path[i], axes.shard, dict(mesh.shape))
+            check_computed_over_model_axes(*entries_with_path[i], axes.shard, dict(mesh.shape))
     meta = UnitMeta(mesh, axes, policy, tuple(layouts))
     check_unit([path for path, _ in entries_with_path], meta)  # multi-process only
     return FSDPUnit(jax.tree.unflatten(treedef, shard_own(meta, [x for _, x in entries_with_path])), meta)

@@ -17,10 +17,18 @@ routes cannot be split that way and raise: a leaf traced under ``jax.set_mesh`` 
 sees it, and a leaf traced inside ``shard_map`` over the shard axes (a per-device block);
 and on a mesh whose model axes are ``Auto`` a traced leaf's tensor-parallel split is not in
 its type, so it cannot be kept as eagerly: an error too (make those axes ``Explicit``).
+On ``Explicit`` model axes the split must reach XLA the same way: a leaf computed with no
+sharding and placed over them by ``jax.device_put`` (what the Linen route does with
+partitioning metadata) is computed in ``1 / (N x M)`` blocks, since XLA propagates the final
+placement back; a leaf whose *computing* op has an ``Explicit`` type that does not split it
+over the shard axes (``out_sharding=``, ``jax.sharding.reshard``, an op on a value so typed)
+is computed ``1 / M`` (or whole) per device, which placement cannot undo: an error. The
+computing op is found by looking through ``device_put`` equations of the trace.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -92,6 +100,53 @@ def check_computed_split(path: Any, leaf: Any, shard_axes: tuple[str, ...], size
             "jax.set_mesh(...)`): XLA then computes only each device's rows; or make the leaf split over that "
             "axis where it is created (`out_sharding=` of jax.random / jnp, or Flax partitioning metadata naming it)."
         )
+
+
+def _computing_type(leaf: Any) -> Any:
+    """The type sharding of the op that computed ``leaf``, looking through ``jax.device_put`` placements,
+    which XLA propagates back into that op; ``None`` for a value the trace did not compute (an argument).
+
+    It reads the tracer's producing equation (``parent``, JAX's tracing internals); where that is
+    missing, the leaf's own type stands for it, so a split is refused rather than missed.
+    """
+    x = leaf
+    while True:
+        eqn = getattr(x, "parent", type(x))  # a tracer without the attribute: its own type stands
+        if eqn is None:
+            return None
+        if eqn is type(x) or getattr(eqn.primitive, "name", None) != "device_put":
+            return jax.typeof(x).sharding
+        x = eqn.in_tracers[[v is x.val for v in eqn.outvars].index(True)]
+
+
+def check_computed_over_model_axes(path: Any, leaf: Any, shard_axes: tuple[str, ...], sizes: dict[str, int]) -> None:
+    """Refuse a traced leaf computed with an ``Explicit`` type that does not split it over the shard axes.
+
+    ``out_sharding=``, ``jax.sharding.reshard`` or any op on a value so typed puts that type
+    on the computing op, which XLA keeps: each device computes its model-axis block (``1 / M``
+    of the leaf), or all of it, and ``fully_shard``'s placement only slices it afterwards.
+    """
+    if not is_traced(leaf) or jax.sharding.get_abstract_mesh().axis_names:  # under set_mesh: check_computed_split
+        return
+    typed = _computing_type(leaf)
+    mesh = getattr(typed, "mesh", None)
+    explicit = set(axes_of_type(mesh, AxisType.Explicit)) if mesh is not None else set()
+    split = {n for e in getattr(typed, "spec", ()) if e is not None for n in ((e,) if isinstance(e, str) else e)}
+    if not explicit & set(shard_axes) or split & set(shard_axes):
+        return
+    model = sorted(split & explicit)
+    m = math.prod(sizes[n] for n in model)
+    block = f"1/{m}" if model else "all"
+    over = f"split over model axis {model[0]!r} (size {sizes[model[0]]})" if model else "whole"
+    raise ValueError(
+        f"Leaf {jax.tree_util.keystr(path)} of shape {tuple(leaf.shape)} was computed {over}, not split over mesh "
+        f"axis {shard_axes[0]!r} (size {sizes[shard_axes[0]]}): its type {typed.spec} comes from `out_sharding=`, "
+        "`jax.sharding.reshard` or an op on a value typed so, which XLA keeps, so each device computed "
+        f"{block} of it, not its 1/{m * math.prod(sizes[n] for n in shard_axes)} block. Create it without a "
+        "sharding and, for a tensor-parallel split, place it with jax.device_put(x, NamedSharding(mesh, spec)) as "
+        f"the last step before fully_shard (XLA then computes only each device's block), or create it split over "
+        f"{shard_axes[0]!r} as well."
+    )
 
 
 def place_traced(x: jax.Array, sharding: NamedSharding) -> jax.Array:

@@ -24,20 +24,9 @@ import orbax.checkpoint as ocp
 
 from jshard._multiprocess.preemption import reached_preemption
 from jshard._sharding.nested import KeyCollision, get_in, nest
-from jshard._state.stored_leaves import StoredLeaf, stored_leaves
+from jshard._state.stored_leaves import StoredLeaf, as_like, stored_leaves
 
 _FORMAT = "jshard-checkpoint-1"
-
-
-def _key(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _keys(record: StoredLeaf) -> tuple[str, ...]:
-    return tuple(_key(e) for e in record.path) or ("value",)
 
 
 def _nest(items: list[tuple[tuple[str, ...], Any]]) -> dict:
@@ -60,21 +49,17 @@ def _saved_leaf(record: StoredLeaf) -> Any:
     return np.asarray(record.leaf) if isinstance(record.leaf, int | float | bool | np.generic) else record.leaf
 
 
-def _as_like(like: Any, value: Any) -> Any:
-    """Python scalars come back as Python scalars; everything else as restored."""
-    return type(like)(value) if isinstance(like, int | float | bool) else value
-
-
-def _restore_args(record: StoredLeaf) -> ocp.RestoreArgs:
+def leaf_restore_args(record: StoredLeaf, dtype: Any = None) -> ocp.RestoreArgs:
+    """How Orbax reads one leaf straight into ``record``'s layout (padded by pad-or-truncate), cast to ``dtype``."""
     leaf, layout, sharding = record.leaf, record.layout, record.sharding
     if sharding is None:
-        return ocp.RestoreArgs(restore_type=np.ndarray)
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
     shape = layout.padded_shape if layout is not None else tuple(leaf.shape)
-    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, strict=False)
+    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, strict=False, dtype=dtype)
 
 
 def _check(saved: dict, wanted: list[StoredLeaf]) -> None:
-    names = {"/".join(_keys(r)): r for r in wanted}
+    names = {"/".join(r.keys): r for r in wanted}
     missing = sorted(set(names) - set(saved))
     extra = sorted(set(saved) - set(names))
     if missing or extra:
@@ -127,8 +112,8 @@ class CheckpointManager:
     def save(self, step: int, state: Any) -> None:
         """Save ``state`` (any tree of units, arrays and scalars) as ``step``."""
         recs = stored_leaves(state)
-        arrays = _nest([(_keys(r), _saved_leaf(r)) for r in recs])
-        layouts = {"format": _FORMAT, "leaves": {"/".join(_keys(r)): _describe(r) for r in recs}}
+        arrays = _nest([(r.keys, _saved_leaf(r)) for r in recs])
+        layouts = {"format": _FORMAT, "leaves": {"/".join(r.keys): _describe(r) for r in recs}}
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(arrays),
                                                           layouts=ocp.args.JsonSave(layouts)))
 
@@ -158,10 +143,10 @@ class CheckpointManager:
         saved = self._manager.restore(step, args=ocp.args.Composite(layouts=ocp.args.JsonRestore()))["layouts"]
         recs = stored_leaves(like)
         _check(saved["leaves"], recs)
-        restore_args = _nest([(_keys(r), _restore_args(r)) for r in recs])
+        restore_args = _nest([(r.keys, leaf_restore_args(r)) for r in recs])
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(restore_args=restore_args)))["state"]
-        leaves = [_as_like(r.leaf, get_in(out, _keys(r))) for r in recs]
+        leaves = [as_like(r.leaf, get_in(out, r.keys)) for r in recs]
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
     def reached_preemption(self, step: int) -> bool:

@@ -37,9 +37,22 @@ class StoredLeaf:
         return jax.tree_util.keystr(self.path)
 
     @property
+    def keys(self) -> tuple[str, ...]:
+        """The path as strings (dict keys, sequence indices, field names): how checkpoints name the leaf."""
+        return tuple(key_name(e) for e in self.path) or ("value",)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The original (unpadded) shape."""
         return tuple(np.shape(self.leaf)) if self.layout is None else self.layout.shape
+
+
+def key_name(entry: Any) -> str:
+    """One path entry as a string: a dict key, a sequence index, a field name."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
 
 
 def _sharding(meta: UnitMeta | None, layout: LeafLayout | None, leaf: Any, meshes: dict) -> Any:
@@ -51,6 +64,11 @@ def _sharding(meta: UnitMeta | None, layout: LeafLayout | None, leaf: Any, meshe
     if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh) and sharding.mesh in meshes:
         return NamedSharding(meshes[sharding.mesh], sharding.spec, memory_kind=sharding.memory_kind)
     return sharding
+
+
+def as_like(like: Any, value: Any) -> Any:
+    """A value restored for the leaf ``like``: Python scalars come back as Python scalars, the rest as given."""
+    return type(like)(value) if isinstance(like, int | float | bool) else value
 
 
 def strip_units(tree: Any) -> Any:

@@ -203,6 +203,26 @@ def build_hf(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
     return build_hf_model(mesh, config, LlamaConfig())
 
 
+def build_init_model(mesh: Any, cfg: LlamaConfig) -> tuple[Any, tuple]:
+    """The init program of the NNX Llama of shape ``cfg``, born sharded: ``(init, ())`` for ``plan --init``."""
+    from jshard.flax import nnx as jnnx
+
+    def init():
+        model = Llama(cfg, nnx.Rngs(0))
+        jnnx.fully_shard(model.blocks, mesh, js.FullyShardPolicy(scan_axis=0))
+        return nnx.state(jnnx.fully_shard(model, mesh))
+
+    return init, ()
+
+
+LLAMA_3_70B = LlamaConfig(dim=8192, ffn=28672, layers=80, heads=64, kv_heads=8)
+
+
+def build_init_70b(mesh: Any) -> tuple[Any, tuple]:
+    """Llama-3-70B's init program (fp32 parameters, 263 GiB), born sharded over ``mesh``."""
+    return build_init_model(mesh, LLAMA_3_70B)
+
+
 TINY = LlamaConfig(vocab=512, dim=64, ffn=160, layers=2, heads=4, kv_heads=2, seq_len=32)  # for tests
 
 
@@ -214,3 +234,8 @@ def build_nnx_tiny(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]
 def build_hf_tiny(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
     """Hugging Face's Llama at the same test size."""
     return build_hf_model(mesh, config, TINY)
+
+
+def build_init_tiny(mesh: Any) -> tuple[Any, tuple]:
+    """The init program of the NNX Llama at the test size."""
+    return build_init_model(mesh, TINY)
