@@ -9,11 +9,12 @@ attributes: the next ``nnx.jit`` call retraces with them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from flax import nnx
 
+from jshard._sharding.comm_hooks import AllGather, AllReduce, ReduceScatter
 from jshard._sharding.fully_shard import gather_own, shard_own
 from jshard._sharding.mesh import check_reshard_group
 from jshard._sharding.views import current_view
@@ -184,8 +185,8 @@ class FSDPModule(nnx.Module):
         """
         _update_policy(self, force_sum_reduction_for_comms=enable)
 
-    def set_custom_all_gather(self, comm: Callable[..., Any]) -> None:
-        """Replace this unit's all-gather: ``comm(shard, axis_names, dim) -> full``.
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Replace this unit's all-gather: a :class:`jshard.AllGather`, ``comm(shard, axis_names, dim) -> full``.
 
         Example:
           >>> from flax import nnx
@@ -197,8 +198,8 @@ class FSDPModule(nnx.Module):
         """
         _update_policy(self, custom_all_gather=comm)
 
-    def set_custom_reduce_scatter(self, comm: Callable[..., Any]) -> None:
-        """Replace this unit's reduce-scatter: ``comm(grad, axis_names, dim) -> shard`` (a sum).
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Replace this unit's reduce-scatter: a :class:`jshard.ReduceScatter`, ``comm(grad, axes, dim) -> shard``.
 
         Example:
           >>> from flax import nnx
@@ -211,8 +212,8 @@ class FSDPModule(nnx.Module):
         """
         _update_policy(self, custom_reduce_scatter=comm)
 
-    def set_all_reduce_hook(self, hook: Callable[..., Any], *, stream: Any = None) -> None:
-        """Replace the all-reduce over replicate axes: ``hook(grad_shard, axes) -> grad_shard``.
+    def set_all_reduce_hook(self, hook: AllReduce, *, stream: Any = None) -> None:
+        """Replace the all-reduce over replicate axes: a :class:`jshard.AllReduce`, ``hook(grad_shard, axes)``.
 
         Example:
           >>> from flax import nnx
