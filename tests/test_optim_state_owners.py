@@ -68,6 +68,13 @@ def test_a_state_leaf_that_ends_like_another_parameter_belongs_to_its_own():
     assert state["[0].mu[0][0]"].leaf.sharding.spec == P("fsdp")  # [0]'s own accumulator mirrors it
 
 
+def test_the_state_of_parameters_that_are_one_array_mirrors_it():
+    params = js.fully_shard(jnp.ones((16, 8)))
+    state = _init(optax.adam(1e-2), params)
+    assert jax.tree.leaves(state[0].mu)[0].sharding.is_equivalent_to(jax.tree.leaves(params)[0].sharding, 2)
+    assert jax.tree.leaves(state[0].count)[0].sharding.is_fully_replicated
+
+
 def test_a_state_that_fits_parameters_placed_differently_is_an_error():
     with pytest.raises(ValueError, match=r"(?s)state leaf \[0\]\.mu\['w'\] of shape \(16, 8\).*placed differently "
                                          r"\(\['dec'\]\['w'\], \['enc'\]\['w'\].*optax\.masked.*parameters alike"):

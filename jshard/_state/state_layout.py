@@ -12,7 +12,8 @@ is tied to a parameter by where it sits in a copy of that tree, never by its nam
   its nodes are the parameters' nodes (with the same keys), and where the parameters hold a
   leaf it holds that parameter's state: an array, a list of arrays (SM3's per-dim
   accumulators) or nothing (a ``MaskedNode`` or ``None``: masked out, also for a whole
-  masked subtree). The largest tree that fits wins;
+  masked subtree). The largest tree that fits wins. Parameters that are one array have
+  every array of the state for a copy;
 - a state leaf at a parameter's place with that parameter's shape (Adam's ``mu``) mirrors
   it: the parameter's layout, in the leaf's dtype; another leaf there (SM3's accumulators,
   Adafactor's factored moments) belongs to it: replicated below ``min_size_to_shard``
@@ -180,6 +181,8 @@ def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: in
         return FSDPUnit(jax.ShapeDtypeStruct(layout.padded_shape, x.dtype), meta)
 
     def store(path: tuple, x: Any) -> Any:
+        if _is_array(x) and () in facts:  # the parameters are one array: every array is a copy of them
+            return one_leaf_unit(facts[()], x)
         if _is_array(x) or _is_empty(x):  # outside every copy of the parameters: replicated
             return x
         owners = _owners(path, x, anchors, facts)
