@@ -5,6 +5,9 @@ import importlib as _importlib
 from jshard import collectives as collectives
 from jshard import optim as optim
 from jshard import state_dict as state_dict
+from jshard._sharding.comm_hooks import AllGather as AllGather
+from jshard._sharding.comm_hooks import AllReduce as AllReduce
+from jshard._sharding.comm_hooks import ReduceScatter as ReduceScatter
 from jshard._sharding.fully_shard import fully_shard as fully_shard
 from jshard._sharding.fully_shard import reshard as reshard
 from jshard._sharding.mesh import make_mesh as make_mesh
@@ -26,12 +29,15 @@ from jshard.optim import shard_optimizer as shard_optimizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGather",
+    "AllReduce",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPUnit",
     "FullyShardPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReduceScatter",
     "checkpoint",
     "collectives",
     "flax",

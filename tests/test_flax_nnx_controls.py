@@ -177,7 +177,7 @@ def test_forward_prefetch_gathers_before_the_previous_block_runs():
     plain = forward_events()
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
     model.blocks[1].set_modules_to_backward_prefetch([model.blocks[0]])
-    assert unit_uids(model.blocks[1]) == (model.blocks[0]._jshard.uid,)
+    assert unit_uids(model.blocks[1]) == (model.blocks[0]._jshard.path,)
     lowered(model)
     prefetched = forward_events()
     g0, g1, g2 = ("gather", (1, 16)), ("gather", (2, 24)), ("gather", (3, 8))

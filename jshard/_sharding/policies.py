@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jshard._sharding.comm_hooks import AllGather, AllReduce, ReduceScatter, check_hook
 from jshard._sharding.dtypes import is_floating
 
 
@@ -208,12 +209,13 @@ class FullyShardPolicy:
         number of data-parallel devices (the gradient of the global-batch mean).
       force_sum_reduction_for_comms: split the division into a pre- and a post-scale
         around the sum (FSDP2's name); by default this happens only for float16.
-      custom_all_gather: ``(shard, axis_names, dim) -> full`` replacing the
-        all-gather (e.g. :func:`jshard.int8_all_gather`).
-      custom_reduce_scatter: ``(grad, axis_names, dim) -> shard`` replacing the
-        reduce-scatter (a sum).
-      all_reduce_hook: ``(grad_shard, replicate_axes) -> grad_shard`` replacing the
-        all-reduce over replicate axes (a sum); runs on 1-D meshes too, with ``()``.
+      custom_all_gather: a :class:`AllGather`, ``(shard, axis_names, dim) -> full``,
+        replacing the all-gather (e.g. :func:`jshard.int8_all_gather`).
+      custom_reduce_scatter: a :class:`ReduceScatter`, ``(grad, axis_names, dim) ->
+        shard``, replacing the reduce-scatter (a sum).
+      all_reduce_hook: a :class:`AllReduce`, ``(grad_shard, replicate_axes) ->
+        grad_shard``, replacing the all-reduce over replicate axes (a sum); runs on 1-D
+        meshes too, with ``()``.
       unit_collectives: ``True``: one all-gather and one reduce-scatter for all the
         unit's leaves, through a flat buffer (FSDP2's copy-in / copy-out): fewer, larger
         collectives, at the cost of one more gathered unit (and one more unit of
@@ -237,9 +239,9 @@ class FullyShardPolicy:
     scan_axis: int | None = None
     gradient_divide_factor: float | None = None
     force_sum_reduction_for_comms: bool = False
-    custom_all_gather: Callable[..., Any] | None = None
-    custom_reduce_scatter: Callable[..., Any] | None = None
-    all_reduce_hook: Callable[..., Any] | None = None
+    custom_all_gather: AllGather | None = None
+    custom_reduce_scatter: ReduceScatter | None = None
+    all_reduce_hook: AllReduce | None = None
     unit_collectives: bool = False
 
     def __post_init__(self):
@@ -282,9 +284,10 @@ class FullyShardPolicy:
             value = getattr(self, name)
             if not isinstance(value, kind):
                 raise ValueError(f"`{name}` has the wrong type: {type(value).__name__}.")
-        for name in ("shard_placement_fn", "ignored_params", "custom_all_gather",
-                     "custom_reduce_scatter", "all_reduce_hook"):
+        for name in ("shard_placement_fn", "ignored_params"):
             _check_callable(name, getattr(self, name))
+        for name in ("custom_all_gather", "custom_reduce_scatter", "all_reduce_hook"):
+            check_hook(name, getattr(self, name))
         for name in ("force_sum_reduction_for_comms", "unit_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")

@@ -230,7 +230,9 @@ def shard_optimizer(tx: optax.GradientTransformation, *, min_size_to_shard: int 
     Raises:
       ValueError: a tree without units, a leaf outside every unit, units on different
         meshes or data-parallel axes; a mask or labels tree that does not match the
-        parameters as you wrote them (the message names the transformation and the fix).
+        parameters as you wrote them (the message names the transformation and the fix); a
+        state node that is a copy of several parameters' subtrees placed differently (the
+        message names the state leaf, its shape and the candidates).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jshard as js

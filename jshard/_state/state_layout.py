@@ -1,27 +1,36 @@
-"""Where each leaf of an Optax state lives, found by its key path among the parameters'.
+"""Where each leaf of an Optax state lives, found by the parameters' structure in the state.
 
 [Note: state layout] ``shard_optimizer`` runs the transformation on the parameters as the
 user wrote them (units stripped, padding sliced off), so the state it makes has exactly the
 structure of the unsharded state, whatever the transformation: masks, labels and Muon's or
-SM3's own structures included. Each state leaf is then placed by its key path:
+SM3's own structures included. Optax builds a state from the parameters by mapping over
+their tree (``optax.tree.zeros_like(params)``, ``jax.tree.map(f, params)``), so a state leaf
+is tied to a parameter by where it sits in a copy of that tree, never by its name or shape:
 
-- a leaf whose path ends with a parameter's path and has that parameter's shape (Adam's
-  ``mu['layer']['w']``) mirrors it: the parameter's layout, in the leaf's dtype;
-- a leaf whose path ends as a parameter's does, with its shape, mirrors it too
-  (``optax.lookahead`` keeps the state of ``params.fast`` under ``fast_state``);
-- a leaf under a parameter's path otherwise (SM3's per-dim accumulators
-  ``mu['layer']['w'][0]``, Adafactor's factored moments) belongs to it: replicated below
-  ``min_size_to_shard`` elements, else sharded on its largest dim, padded like a parameter;
+- the state is walked from its root; a node where the parameters' tree, or one of its
+  subtrees (``optax.lookahead`` keeps the state of ``params.fast``), fits is a copy of it:
+  its nodes are the parameters' nodes (with the same keys), and where the parameters hold a
+  leaf it holds that parameter's state: an array, a list of arrays (SM3's per-dim
+  accumulators) or nothing (a ``MaskedNode`` or ``None``: masked out, also for a whole
+  masked subtree). The largest tree that fits wins. Parameters that are one array have
+  every array of the state for a copy;
+- a state leaf at a parameter's place with that parameter's shape (Adam's ``mu``) mirrors
+  it: the parameter's layout, in the leaf's dtype; another leaf there (SM3's accumulators,
+  Adafactor's factored moments) belongs to it: replicated below ``min_size_to_shard``
+  elements, else sharded on its largest dim, padded like a parameter;
+- a node that fits several subtrees of the same size placed differently (two blocks of
+  one structure, sharded on different dims) is ambiguous: an error names the state leaf,
+  its shape and the candidates, never a guess;
 - any other leaf (step counts, schedules' state) is replicated, outside every unit.
 
-A subtree with the structure of the parameters (Adam's ``mu`` and ``nu``, Adafactor's
-``v_row``) is stored with the parameters' units around it, each unit's meta holding its
-leaves' state layouts: where those equal the parameters' (``mu``), the metas are the
-parameters' own, so ``jax.tree.map(f, params, state[0].mu)`` works. Any other leaf that
-belongs to a parameter (under a mask's or labels' partial tree, Muon's, SM3's lists) is a
-unit of one leaf. Either way each unit carries its parameter's facts (mesh, axes, policy:
-offloaded parameters keep their state in host memory) and each leaf its own layout, so
-:func:`jshard.unshard`, the state dicts and checkpoints read the state exactly.
+A copy of the whole tree (Adam's ``mu`` and ``nu``, Adafactor's ``v_row``) is stored with
+the parameters' units around it, each unit's meta holding its leaves' state layouts: where
+those equal the parameters' (``mu``), the metas are the parameters' own, so
+``jax.tree.map(f, params, state[0].mu)`` works. Any other leaf that belongs to a parameter
+(under a mask's or labels' partial tree, Muon's, SM3's lists) is a unit of one leaf. Either
+way each unit carries its parameter's facts (mesh, axes, policy: offloaded parameters keep
+their state in host memory) and each leaf its own layout, so :func:`jshard.unshard`, the
+state dicts and checkpoints read the state exactly.
 """
 
 from __future__ import annotations
@@ -55,31 +64,87 @@ def _own_layout(param: LeafLayout, x: Any, shard_size: int, min_size: int) -> Le
     return LeafLayout(shape, dtype, dim, shard_size * math.ceil(shape[dim] / shard_size))
 
 
-def _parameters(params: Any) -> dict[tuple, StoredLeaf]:
-    """Every parameter's unit facts (``meta``, ``layout``), by its key path in the user's tree."""
-    return {record.path: record for record in stored_leaves(params)}
+_AMBIGUOUS = (
+    "shard_optimizer: the state leaf {leaf} of shape {shape} sits in a copy of several parameters' trees "
+    "that are placed differently ({candidates}), so which parameter it belongs to is not known. Initialize "
+    "the inner transformation on the whole parameters (mask the others out with optax.masked) so that its "
+    "state has their structure, or shard these parameters alike (the same placement dim, mesh and policy)."
+)
 
 
-def _owner(path: tuple, shape: tuple[int, ...], params: dict[tuple, StoredLeaf]) -> StoredLeaf | None:
-    """The parameter a state leaf at ``path`` belongs to: the one whose whole path ends ``path``
-    or a prefix of it (longest first); else one of its shape whose path ends as ``path`` does
-    (most keys first: ``optax.lookahead`` keeps ``fast``'s state under ``fast_state``)."""
-    best = None
-    for q, facts in params.items():
-        n = len(q)
-        for end in range(len(path), n - 1, -1):
-            if path[end - n : end] == q:
-                exact = end == len(path) and shape == facts.layout.shape
-                if best is None or n > best[0] or (n == best[0] and exact):
-                    best = (n, facts)
-                break
-    if best is not None:
-        return best[1]
-    for k in range(len(path), 0, -1):
-        for q, facts in params.items():
-            if q[-k:] == path[-k:] and len(q) >= k and shape == facts.layout.shape:
-                return facts
-    return None
+def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:
+    """``x``'s own node (a treedef whose children are leaves) and its children with their keys."""
+    pairs, node = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    return node, [(path[0], child) for path, child in pairs]
+
+
+def _is_array(x: Any) -> bool:
+    treedef = jax.tree.structure(x)
+    return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _is_empty(x: Any) -> bool:
+    """No leaves at all: a ``MaskedNode``, ``None``, an empty container."""
+    return jax.tree.structure(x).num_leaves == 0
+
+
+def _is_own_state(x: Any) -> bool:
+    """What a state holds at a parameter's place: an array, a list of arrays (SM3), or nothing."""
+    return _is_array(x) or _is_empty(x) or (type(x) in (list, tuple) and all(map(_is_array, x)))
+
+
+def _fit(anchor: Any, x: Any, param_path: tuple, state_path: tuple, out: list) -> bool:
+    """Whether state node ``x`` is a copy of the parameters' subtree ``anchor``; ``out`` gets
+    ``(state leaf path, parameter path, leaf)`` for every leaf it holds at a parameter's place."""
+    if _is_array(anchor):
+        if not _is_own_state(x):
+            return False
+        out.extend((state_path + p, param_path, leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(x)[0])
+        return True
+    if _is_empty(x):  # a masked-out subtree
+        return True
+    (node, children), (x_node, x_children) = _one_level(anchor), _one_level(x)
+    return node == x_node and all(_fit(a, c, param_path + (k,), state_path + (k,), out)
+                                  for (k, a), (_, c) in zip(children, x_children, strict=True))
+
+
+def _anchors(plain: Any) -> dict[Any, list[tuple[int, tuple, Any]]]:
+    """Every subtree of the parameters that holds a parameter, by its own node: ``(size, path, subtree)``,
+    largest first."""
+    found: dict[Any, list] = {}
+
+    def visit(path: tuple, x: Any) -> None:
+        if _is_array(x) or _is_empty(x):
+            return
+        node, children = _one_level(x)
+        found.setdefault(node, []).append((jax.tree.structure(x).num_nodes, path, x))
+        for key, child in children:
+            visit(path + (key,), child)
+
+    visit((), plain)
+    return {node: sorted(entries, key=lambda e: -e[0]) for node, entries in found.items()}
+
+
+def _owners(path: tuple, x: Any, anchors: dict, facts: dict[tuple, StoredLeaf]) -> dict[tuple, StoredLeaf] | None:
+    """The parameter of every leaf of state node ``x`` (by the leaf's path), if ``x`` is a copy of the
+    parameters' tree or of a subtree: the largest that fits, and one placement (see [Note: state layout])."""
+    fits: list[tuple[int, list]] = []
+    for size, anchor_path, anchor in anchors.get(_one_level(x)[0], []):
+        if fits and size < fits[0][0]:
+            break
+        out: list = []
+        if _fit(anchor, x, anchor_path, path, out):
+            fits.append((size, out))
+    if not fits:
+        return None
+    owners = {}
+    for (leaf_path, param_path, leaf), *others in zip(*(out for _, out in fits), strict=True):
+        candidates = [param_path] + [p for _, p, _ in others]
+        if len({(facts[p].meta, facts[p].layout) for p in candidates}) > 1:
+            raise ValueError(_AMBIGUOUS.format(leaf=jax.tree_util.keystr(leaf_path), shape=tuple(np.shape(leaf)),
+                                               candidates=", ".join(map(jax.tree_util.keystr, candidates))))
+        owners[leaf_path] = facts[param_path]
+    return owners
 
 
 def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> Any:
@@ -104,22 +169,28 @@ def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> An
 
 def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: int) -> Any:
     """The stored form of a state (abstract, of the unsharded structure; see the Note):
-    subtrees of the parameters' structure inside the parameters' units, other leaves of a
+    copies of the parameters' whole tree inside the parameters' units, other leaves of a
     parameter as units of one leaf, the rest as they are (replicated)."""
-    by_path = _parameters(params)
+    facts = {record.path: record for record in stored_leaves(params)}
     plain = jax.tree.structure(strip_units(params))
+    anchors = _anchors(strip_units(params))
 
-    def of_params(x: Any) -> bool:
-        return plain.num_nodes > 1 and jax.tree.structure(x) == plain
-
-    def place(path, x):
-        if of_params(x):
-            return _with_units(x, params, shard_size, min_size)
-        facts = _owner(path, tuple(np.shape(x)), by_path)
-        if facts is None:
-            return x
-        layout = _own_layout(facts.layout, x, shard_size, min_size)
-        meta = dataclasses.replace(facts.meta, layouts=(layout,), step_reshard=None)
+    def one_leaf_unit(record: StoredLeaf, x: Any) -> FSDPUnit:
+        layout = _own_layout(record.layout, x, shard_size, min_size)
+        meta = dataclasses.replace(record.meta, layouts=(layout,), step_reshard=None)
         return FSDPUnit(jax.ShapeDtypeStruct(layout.padded_shape, x.dtype), meta)
 
-    return jax.tree_util.tree_map_with_path(place, abstract_state, is_leaf=of_params)
+    def store(path: tuple, x: Any) -> Any:
+        if _is_array(x) and () in facts:  # the parameters are one array: every array is a copy of them
+            return one_leaf_unit(facts[()], x)
+        if _is_array(x) or _is_empty(x):  # outside every copy of the parameters: replicated
+            return x
+        owners = _owners(path, x, anchors, facts)
+        if owners is None:
+            node, children = _one_level(x)
+            return jax.tree.unflatten(node, [store(path + (key,), child) for key, child in children])
+        if jax.tree.structure(x) == plain:
+            return _with_units(x, params, shard_size, min_size)
+        return jax.tree_util.tree_map_with_path(lambda p, leaf: one_leaf_unit(owners[path + p], leaf), x)
+
+    return store((), abstract_state)

@@ -28,6 +28,7 @@ from jshard._sharding.unit import FSDPUnit, is_unit
 from jshard._sharding.views import current_view
 from jshard._step.gather import is_layer_slice, step_reshard
 from jshard._step.unit_gather import gather_entries
+from jshard.flax._linen.stacked import own_unboxed
 from jshard.flax._paths import Path, entry_paths, scope_path
 
 
@@ -42,11 +43,13 @@ class StepTable:
 
 @dataclasses.dataclass
 class Discovered:
-    """What ``shard_params`` learns from an abstract call: each wrapped module's spec and
-    the shapes its parameters had inside the call (one layer's, inside ``nn.scan``)."""
+    """What ``shard_params`` learns from abstract calls: each wrapped module's spec and, in a
+    call where the wrapped modules (``units``) are known and the params boxed, the axes lifted
+    transforms removed from its own params ([Note: Linen stacking])."""
 
     specs: dict[Path, tuple[Any, FullyShardPolicy]] = dataclasses.field(default_factory=dict)
-    seen: dict[Path, Any] = dataclasses.field(default_factory=dict)
+    units: tuple[Path, ...] = ()
+    stacked: dict[Path, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 _TABLE: contextvars.ContextVar[StepTable | None] = contextvars.ContextVar("jshard_linen_step", default=None)
@@ -63,8 +66,8 @@ def step_table(table: StepTable) -> Iterator[StepTable]:
 
 
 @contextlib.contextmanager
-def discovering() -> Iterator[Discovered]:
-    token = _DISCOVERED.set(Discovered())
+def discovering(units: tuple[Path, ...] = ()) -> Iterator[Discovered]:
+    token = _DISCOVERED.set(Discovered(units=units))
     try:
         yield _DISCOVERED.get()
     finally:
@@ -93,8 +96,10 @@ def _map_in(path: Path, spec: tuple[Any, FullyShardPolicy], target: dict) -> dic
     found, table = _DISCOVERED.get(), _TABLE.get()
     if found is not None:
         found.specs[path] = spec
-        found.seen[path] = jax.tree.map(lambda x: x.shape, target.get("params", {}))
-        return target
+        if not found.units or "params" not in target:
+            return target
+        params, found.stacked[path] = own_unboxed(target["params"], path, found.units)
+        return {**target, "params": params}
     if table is None or current_view() is None:
         if _has_unit(target):
             raise RuntimeError(

@@ -15,9 +15,9 @@ from jshard._sharding.mesh import make_mesh
 from jshard._sharding.nested import get_in, set_in
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.unit import FSDPUnit
-from jshard.flax._linen import partitioned
+from jshard.flax._linen import partitioned, stacked
 from jshard.flax._linen.intercept import ModuleUnits, check_units, intercepting
-from jshard.flax._linen.transform import discovering, fsdp
+from jshard.flax._linen.transform import Discovered, discovering, fsdp
 from jshard.flax._paths import Path, scope_path
 
 
@@ -60,15 +60,20 @@ def fully_shard(
     return nn.transforms.lift_transform(fsdp, target, mesh, policy, methods=methods)
 
 
-def _units_found(found: Any, params: dict) -> list[tuple[Path, Any, FullyShardPolicy]]:
+def _discover(call: Any, params: Any, args: tuple, kwargs: dict, units: ModuleUnits | None) -> Discovered:
+    """The wrapped modules of an abstract call, then which are stacked ([Note: Linen stacking])."""
+    with discovering() as first, intercepting(units):
+        jax.eval_shape(lambda p: call({"params": p}, *args, **kwargs), params)
+    with discovering(tuple(first.specs)) as found, intercepting(units):
+        jax.eval_shape(lambda p: call({"params": stacked.box(p)}, *args, **kwargs), params)
+    return found
+
+
+def _units_found(found: Discovered) -> list[tuple[Path, Any, FullyShardPolicy]]:
     """``(path, mesh, policy)`` per wrapped module, deepest first; stacked ones get scan_axis=0."""
     out = []
     for path, (mesh, policy) in found.specs.items():
-        outer = jax.tree.map(lambda x: tuple(x.shape), get_in(params, path))
-        stacked = jax.tree.leaves(outer, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.leaves(
-            found.seen[path], is_leaf=lambda x: isinstance(x, tuple)
-        )
-        if stacked and policy.scan_axis is None:
+        if found.stacked.get(path) and policy.scan_axis is None:
             policy = dataclasses.replace(policy, scan_axis=0)
         out.append((path, make_mesh() if mesh is None else mesh, policy))
     return sorted(out, key=lambda item: -len(item[0]))
@@ -80,8 +85,10 @@ def shard_params(
     """Shard a Linen model's params into the units its wrapped modules define.
 
     Runs ``model.apply`` abstractly (``jax.eval_shape``) on the example arguments to find
-    the wrapped modules, then applies :func:`jshard.fully_shard` bottom-up to their
-    sub-trees of ``params``, the root last.
+    the wrapped modules and which of them are stacked (called inside ``nn.scan``: the
+    params carry the axes a lifted transform removed, [Note: Linen stacking]), then
+    applies :func:`jshard.fully_shard` bottom-up to their sub-trees of ``params``, the
+    root last.
 
     Args:
       model: the Linen model (its root class wrapped with :func:`fully_shard`), or with
@@ -99,8 +106,9 @@ def shard_params(
       ``TrainState.params``.
 
     Raises:
-      ValueError: the root is not wrapped, or a wrapped module is nested inside a stacked
-        (``nn.scan``) one.
+      ValueError: the root is not wrapped, a wrapped module is nested inside a stacked
+        (``nn.scan``) one, or lifted transforms split a wrapped module's params other than
+        along one leading axis.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -125,15 +133,14 @@ def shard_params(
             f"shard_params takes a Linen module or a function (params, *args) -> outputs, got "
             f"{type(model).__name__}" + (" with `method` (only for modules)" if callable(model) else "") + "."
         )
-    with discovering() as found, intercepting(units):
-        jax.eval_shape(lambda p: call({"params": p}, *args, **kwargs), params)
+    found = _discover(call, params, args, kwargs, units)
     if () not in found.specs:
         raise ValueError(
             f"The root module {getattr(type(model), '__name__', model)} is not wrapped with "
             "jshard.flax.linen.fully_shard, so its "
             "own parameters would belong to no unit: wrap the root class too (FSDP2 shards the root last)."
         )
-    planned = _units_found(found, params)
+    planned = _units_found(found)
     params = partitioned.place(params, boxed, lambda leaf: next(m for p, m, _ in planned if leaf[: len(p)] == p))
     for path, mesh, policy in planned:
         inside = [p for p, _, pol in planned if pol.scan_axis == 0 and len(p) < len(path) and path[: len(p)] == p]

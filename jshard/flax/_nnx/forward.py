@@ -141,8 +141,8 @@ def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
         return method(module, *args, **kwargs)
 
     def prefetch() -> None:
-        for uid in state.forward_prefetch:
-            target = step.module_by_uid(uid, module)
+        for path in state.forward_prefetch:
+            target = step.module_at(path, module)
             if id(target) not in step.gathered:
                 step.gathered[id(target)] = Held("prefetch", gather_module(target, view))
 

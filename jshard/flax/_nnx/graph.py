@@ -14,7 +14,6 @@ and the unit is rebuilt from the Params whenever the step needs it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +21,7 @@ from flax import nnx
 
 from jshard._sharding.nested import nest
 from jshard._sharding.unit import FSDPUnit, UnitMeta
-from jshard.flax._paths import Path
-
-_UIDS = itertools.count(1)
+from jshard.flax._paths import Path, attribute_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,22 +29,35 @@ class UnitState:
     """The static facts of a sharded module (hashable: it is part of its graphdef).
 
     ``entries`` are the unit's own entries in tree order: ``(relative path, is_sub)``;
-    ``meta.layouts[i]`` describes entry ``i`` (``None`` for a sub-unit). ``name`` is the
-    module's path in the outermost sharded module that contains it (for messages).
+    ``meta.layouts[i]`` describes entry ``i`` (``None`` for a sub-unit). ``path`` is the
+    module's path in the outermost sharded module that contains it (``()`` for that one),
+    and the prefetch lists hold such paths: a module is known by where it is, so two
+    identically built models have equal graphdefs (and share ``nnx.jit``'s cache).
     """
 
     meta: UnitMeta
     entries: tuple[tuple[Path, bool], ...]
-    name: str
     cls_name: str
-    uid: int = dataclasses.field(default_factory=lambda: next(_UIDS))
+    path: Path = ()
     parent: str | None = None
-    forward_prefetch: tuple[int, ...] = ()
-    backward_prefetch: tuple[int, ...] = ()
+    forward_prefetch: tuple[Path, ...] = ()
+    backward_prefetch: tuple[Path, ...] = ()
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
     reshard_after_backward: bool = True
     unsharded: bool = False
+
+    @property
+    def name(self) -> str:
+        """The module's path printed for messages (``blocks[0].attn``; ``''`` for the outermost)."""
+        return attribute_path(self.path)
+
+    def placed_at(self, path: Path) -> UnitState:
+        """These facts for the module now at ``path`` in a new outermost sharded module: its own
+        path and its prefetch targets' rebased (they were paths in the outermost one before)."""
+        prefix = path[: len(path) - len(self.path)]
+        return dataclasses.replace(self, path=path, forward_prefetch=tuple(prefix + p for p in self.forward_prefetch),
+                                   backward_prefetch=tuple(prefix + p for p in self.backward_prefetch))
 
 
 def describe(module: Any) -> str:
@@ -139,3 +149,20 @@ def unit_leaf_paths(module: Any, prefix: Path = ()) -> list[Path]:
 def sharded_modules(module: Any) -> list[tuple[Path, Any]]:
     """Every sharded module in the graph (each once), with its path."""
     return [(path, m) for path, m in nnx.iter_modules(module) if unit_state(m) is not None]
+
+
+def module_at(root: Any, path: Path, requester: Any) -> Any:
+    """The sharded module at ``path`` in the outermost sharded module that holds ``requester``
+    (both found in ``root``, the model of this step)."""
+    for _, outermost in sharded_modules(root):
+        if unit_state(outermost).path:
+            continue
+        inside = dict(sharded_modules(outermost))
+        if any(m is requester for m in inside.values()):
+            if path in inside:
+                return inside[path]
+            break
+    raise ValueError(
+        f"{describe(requester)} prefetches `{attribute_path(path)}`, which is not a sharded module of its model in "
+        "this step; pass modules of the same model to set_modules_to_forward_prefetch."
+    )

@@ -9,17 +9,19 @@ attributes: the next ``nnx.jit`` call retraces with them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from flax import nnx
 
+from jshard._sharding.comm_hooks import AllGather, AllReduce, ReduceScatter
 from jshard._sharding.fully_shard import gather_own, shard_own
 from jshard._sharding.mesh import check_reshard_group
 from jshard._sharding.views import current_view
 from jshard.flax._nnx.forward import gather_module, restore
 from jshard.flax._nnx.graph import build_unit, own_variables, set_unit_state, sharded_modules, unit_state
 from jshard.flax._nnx.step_context import Held, current_step
+from jshard.flax._paths import Path
 
 
 class UnshardHandle:
@@ -184,8 +186,8 @@ class FSDPModule(nnx.Module):
         """
         _update_policy(self, force_sum_reduction_for_comms=enable)
 
-    def set_custom_all_gather(self, comm: Callable[..., Any]) -> None:
-        """Replace this unit's all-gather: ``comm(shard, axis_names, dim) -> full``.
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Replace this unit's all-gather: a :class:`jshard.AllGather`, ``comm(shard, axis_names, dim) -> full``.
 
         Example:
           >>> from flax import nnx
@@ -197,8 +199,8 @@ class FSDPModule(nnx.Module):
         """
         _update_policy(self, custom_all_gather=comm)
 
-    def set_custom_reduce_scatter(self, comm: Callable[..., Any]) -> None:
-        """Replace this unit's reduce-scatter: ``comm(grad, axis_names, dim) -> shard`` (a sum).
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Replace this unit's reduce-scatter: a :class:`jshard.ReduceScatter`, ``comm(grad, axes, dim) -> shard``.
 
         Example:
           >>> from flax import nnx
@@ -211,8 +213,8 @@ class FSDPModule(nnx.Module):
         """
         _update_policy(self, custom_reduce_scatter=comm)
 
-    def set_all_reduce_hook(self, hook: Callable[..., Any], *, stream: Any = None) -> None:
-        """Replace the all-reduce over replicate axes: ``hook(grad_shard, axes) -> grad_shard``.
+    def set_all_reduce_hook(self, hook: AllReduce, *, stream: Any = None) -> None:
+        """Replace the all-reduce over replicate axes: a :class:`jshard.AllReduce`, ``hook(grad_shard, axes)``.
 
         Example:
           >>> from flax import nnx
@@ -228,15 +230,25 @@ class FSDPModule(nnx.Module):
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Gather ``modules`` when this module's forward starts (after its own gather).
 
+        The targets are kept as their paths in the model (so the model's graphdef does not
+        depend on which objects they were): pass sub-modules of the model this one belongs
+        to, after :func:`fully_shard` was applied to its root.
+
         Example:
           >>> from flax import nnx
           >>> from jshard.flax import nnx as jnnx
-          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-          >>> other = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
-          >>> m.set_modules_to_forward_prefetch([other]); m.fsdp_state.forward_prefetch == (other.fsdp_state.uid,)
-          True
+          >>> class Two(nnx.Module):
+          ...     def __init__(self, rngs):
+          ...         self.blocks = nnx.List([nnx.Linear(2, 2, rngs=rngs) for _ in range(2)])
+          >>> model = Two(nnx.Rngs(0))
+          >>> for block in model.blocks:
+          ...     _ = jnnx.fully_shard(block)
+          >>> model = jnnx.fully_shard(model)
+          >>> model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+          >>> model.blocks[0].fsdp_state.forward_prefetch
+          (('blocks', 1),)
         """
-        _update_state(self, forward_prefetch=_uids(modules))
+        _update_state(self, forward_prefetch=_paths(modules))
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Record the modules to re-gather during this module's backward (a scheduling hint).
@@ -247,12 +259,15 @@ class FSDPModule(nnx.Module):
         Example:
           >>> from flax import nnx
           >>> from jshard.flax import nnx as jnnx
-          >>> m = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-          >>> other = jnnx.fully_shard(nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
-          >>> m.set_modules_to_backward_prefetch([other]); len(m.fsdp_state.backward_prefetch)
-          1
+          >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Linear(2, 2, rngs=nnx.Rngs(1)))
+          >>> for layer in model.layers:
+          ...     _ = jnnx.fully_shard(layer)
+          >>> model = jnnx.fully_shard(model)
+          >>> model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+          >>> model.layers[1].fsdp_state.backward_prefetch
+          (('layers', 0),)
         """
-        _update_state(self, backward_prefetch=_uids(modules))
+        _update_state(self, backward_prefetch=_paths(modules))
 
     @property
     def policy(self):
@@ -302,7 +317,8 @@ def _update_policy(module: Any, **changes: Any) -> None:
     _update_state(module, meta=dataclasses.replace(state.meta, policy=policy))
 
 
-def _uids(modules: Sequence[Any]) -> tuple[int, ...]:
+def _paths(modules: Sequence[Any]) -> tuple[Path, ...]:
+    """The paths of prefetch targets in their model (see ``UnitState``)."""
     out = []
     for i, m in enumerate(modules):
         if unit_state(m) is None:
@@ -310,7 +326,13 @@ def _uids(modules: Sequence[Any]) -> tuple[int, ...]:
                 f"modules[{i}] ({type(m).__name__}) is not fully sharded: pass modules returned by "
                 "jshard.flax.nnx.fully_shard."
             )
-        out.append(unit_state(m).uid)
+        if not unit_state(m).path:
+            raise ValueError(
+                f"modules[{i}] ({type(m).__name__}) is the outermost sharded module of its model, so it has no path "
+                "in a model to be found by: pass sub-modules, after jshard.flax.nnx.fully_shard was applied to the "
+                "model's root."
+            )
+        out.append(unit_state(m).path)
     return tuple(out)
 
 

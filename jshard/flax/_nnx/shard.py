@@ -104,7 +104,7 @@ def _stamp(module: Any, subs: list[tuple[Path, Any]]) -> None:
         set_unit_state(sub, dataclasses.replace(unit_state(sub), parent=parent))
     for path, node in nnx.iter_modules(module):
         if path and unit_state(node) is not None:
-            set_unit_state(node, dataclasses.replace(unit_state(node), name=attribute_path(path)))
+            set_unit_state(node, unit_state(node).placed_at(path))
 
 
 def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy | None = None) -> Any:
@@ -161,7 +161,6 @@ def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     state = UnitState(
         meta=unit.meta,
         entries=tuple((path, is_unit(x)) for path, x in entries),
-        name="",
         cls_name=type(module).__name__,
     )
     module.__class__ = fsdp_class(type(module), ("__call__",))

@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from jshard.flax._nnx.graph import describe, sharded_modules, unit_state
+from jshard.flax._nnx.graph import describe, module_at
+from jshard.flax._paths import Path
 
 
 @dataclasses.dataclass
@@ -32,14 +33,9 @@ class StepContext:
     root: Any
     gathered: dict[int, Held] = dataclasses.field(default_factory=dict)
 
-    def module_by_uid(self, uid: int, requester: Any) -> Any:
-        for _, module in sharded_modules(self.root):
-            if unit_state(module).uid == uid:
-                return module
-        raise ValueError(
-            f"{describe(requester)} prefetches a module that is not part of the model in this step; "
-            "pass modules of the same model to set_modules_to_forward_prefetch."
-        )
+    def module_at(self, path: Path, requester: Any) -> Any:
+        """A prefetch target: the sharded module at ``path`` in ``requester``'s model."""
+        return module_at(self.root, path, requester)
 
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("jshard_nnx_step", default=None)
