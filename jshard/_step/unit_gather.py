@@ -8,15 +8,16 @@ from typing import Any
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jshard._sharding.step_state import NOT_IN_STEP, StepState
 from jshard._sharding.torus import phases_pay_off
 from jshard._sharding.unit import FSDPUnit, UnitMeta
-from jshard._sharding.views import LocalView
-from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm, step_reshard
+from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm
 from jshard._step.remat import FREE, GATHER_START, SAVED
 from jshard._step.unit_collectives import gather_unit, joins_unit_buffer
 
 
-def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer: bool = False) -> list[Any]:
+def gather_entries(meta: UnitMeta, entries: list[Any], step: StepState, *, layer: bool = False,
+                   not_in_step: str = NOT_IN_STEP) -> list[Any]:
     """The one gather path: ``entries`` (a unit's own shards and sub-unit placeholders, in
     ``unit.own_entries()`` order; ``meta`` its meta) with every own, non-ignored leaf
     gathered for compute.
@@ -25,8 +26,8 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
     ``nnx.scan``, ``nn.scan`` bodies). Used by :func:`jshard.unshard` in the local view,
     :func:`jshard.scan` and the NNX and Linen adapters.
     """
-    raf = step_reshard(meta)  # a unit of this step, or a clear error
-    if view.pregathered:
+    raf = step.unit(meta, not_in_step).reshard_after_forward  # a unit of this step, or a clear error
+    if step.pregathered:
         return list(entries)
     out = list(entries)
     together: dict[tuple, list[tuple[int, LeafComm]]] = {}
@@ -34,7 +35,7 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
                              if layout is not None and layout.sharded and not layout.ignored], in_loop=layer)
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:
-            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer,
+            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, step, in_loop=layer,
                              phased=phased)
             if joins_unit_buffer(comm, raf):
                 together.setdefault((comm.param_dtype, comm.reduce_dtype, comm.offloaded), []).append((i, comm))
@@ -53,6 +54,6 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
     return out
 
 
-def unshard_unit(unit: FSDPUnit, view: LocalView) -> Any:
+def unshard_unit(unit: FSDPUnit, step: StepState) -> Any:
     """The unit's tree with its own leaves gathered; sub-units stay units."""
-    return unit.with_entries(gather_entries(unit.meta, unit.own_entries(), view))
+    return unit.with_entries(gather_entries(unit.meta, unit.own_entries(), step))
