@@ -234,3 +234,17 @@ def all_units(tree: Any) -> list[tuple[FSDPUnit, bool]]:
 
     visit([tree], True)
     return found
+
+
+def one_mesh(units: list[tuple[FSDPUnit, bool]], who: str) -> tuple[Mesh, MeshAxes]:
+    """The mesh and data-parallel axes all ``units`` share (the first unit's), or an error
+    that names both; ``who`` says what needs one mesh. The one home of that rule."""
+    mesh, axes = units[0][0].meta.mesh, units[0][0].meta.axes
+    for unit, _ in units:
+        if (unit.meta.mesh, unit.meta.axes) != (mesh, axes):
+            raise ValueError(
+                f"{who} must share a mesh and data-parallel axes, got units on different meshes: mesh "
+                f"{dict(unit.meta.mesh.shape)} with shard axes {unit.meta.axes.shard} beside {dict(mesh.shape)} "
+                f"with {axes.shard}; fully_shard every unit on the same mesh."
+            )
+    return mesh, axes

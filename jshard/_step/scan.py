@@ -10,7 +10,7 @@ import jax
 from jshard._sharding.fully_shard import unshard_global
 from jshard._sharding.step_state import active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
-from jshard._step.unit_gather import gather_entries
+from jshard._step.unit_gather import gather_for_compute, per_layer
 
 
 def _check_stacked(units: Any) -> FSDPUnit:
@@ -63,12 +63,8 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
     if step is None:
         return jax.lax.scan(body, init, unshard_global(units), **scan_kwargs)
     step.unit(units.meta)  # a unit of this step, or a clear error (before the scan)
-    entries = units.own_entries()
-    if step.pregathered:
-        return jax.lax.scan(body, init, units.with_entries(entries), **scan_kwargs)
 
     def iteration(carry, layer_entries):
-        return body(carry, units.with_entries(gather_entries(units.meta, layer_entries, step, layer=True)))
+        return body(carry, units.with_entries(gather_for_compute(units.meta, layer_entries, step, layer=True)))
 
-    iteration = jax.checkpoint(iteration, policy=step.remat_policy)  # per iteration: see [Note: nested remat]
-    return jax.lax.scan(iteration, init, entries, **scan_kwargs)
+    return jax.lax.scan(per_layer(step, iteration), init, units.own_entries(), **scan_kwargs)

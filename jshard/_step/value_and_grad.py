@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jshard._sharding.dtypes import cast_floating, is_floating
+from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import manual_spec, memory_kind, named_sharding
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import axes_of_type, only_axes
 from jshard._sharding.step_state import IdentityMap, StepState, UnitStep, stepping
-from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
+from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves, one_mesh
 from jshard._step import collectives as C
 from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient
 from jshard._step.model_manual import manual_over_model_axes, model_manual
@@ -31,14 +31,7 @@ def _check_units(sharded: Any) -> tuple[list[tuple[FSDPUnit, bool]], MeshAxes]:
         raise ValueError(
             "The grad function got no FSDPUnit in `sharded`: pass the output of js.fully_shard."
         )
-    mesh, axes = units[0][0].meta.mesh, units[0][0].meta.axes
-    for unit, _ in units:
-        if unit.meta.mesh != mesh or unit.meta.axes != axes:
-            raise ValueError(
-                f"Units of one step must share a mesh and data-parallel axes; got mesh "
-                f"{dict(unit.meta.mesh.shape)} with axes {unit.meta.axes.shard} beside "
-                f"{dict(mesh.shape)} with {axes.shard}; fully_shard every unit on the same mesh."
-            )
+    _, axes = one_mesh(units, "Units of one step")
 
     def outside(meta, layout, x):
         if layout is None:
@@ -250,13 +243,12 @@ def _split_microbatches(batch: Any, m: int) -> Any:
 
 def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, params, batch, *args):
     with stepping(step):
-        if mp.cast_forward_inputs:
-            batch = cast_floating(batch, mp.param_dtype)
+        batch = mp.cast_inputs(batch)
 
         def loss_of(p, mb):
             out = loss_fn(_unshard_all(p, step) if unshard_params else p, mb, *args)
             loss, aux = out if has_aux else (out, None)
-            return jnp.asarray(loss).astype(mp.output_dtype or jnp.result_type(loss)), aux
+            return mp.cast_outputs(jnp.asarray(loss)), aux
 
         if step.pregathered:
             fulls = _gather_for_deferred_sync(params, step)

@@ -21,13 +21,11 @@ from typing import Any
 import jax
 from flax.core import lift
 
-from jshard._sharding.dtypes import cast_floating
 from jshard._sharding.nested import get_in, set_in
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.step_state import StepState, active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
-from jshard._step.gather import is_layer_slice
-from jshard._step.unit_gather import gather_entries
+from jshard._step.unit_gather import gather_for_compute, per_layer
 from jshard.flax._paths import Path, entry_paths, scope_path
 
 
@@ -74,12 +72,12 @@ def discovering() -> Iterator[Discovered]:
 def gather_params(unit: FSDPUnit, params: dict, step: StepState, path: Path) -> dict:
     """``params`` (this module's shards, or one layer of them) with its own leaves gathered."""
     meta, entries = unit.meta, entry_paths(unit.tree)
-    values = [None if is_unit(x) else get_in(params, path) for path, x in entries]
+    values = [None if is_unit(x) else get_in(params, where) for where, x in entries]
     own = [i for i, (_, x) in enumerate(entries) if not is_unit(x)]
-    if step.pregathered or not own:
-        return params
-    layer = any(is_layer_slice(values[i], meta.layouts[i], meta.policy) for i in own)
-    full = gather_entries(meta, values, step, layer=layer, not_in_step=_not_a_unit(path))
+    # A wrapped unit with scan_axis=0 (set by shard_params where the module's calls saw one
+    # layer of its params, or by the user) is only ever called inside nn.scan: one layer.
+    layer = meta.policy.scan_axis == 0
+    full = gather_for_compute(meta, values, step, layer=layer, not_in_step=_not_a_unit(path))
     for i in own:
         params = set_in(params, entries[i][0], full[i])
     return params
@@ -136,14 +134,12 @@ def fsdp(fn: Any, mesh: Any, policy: FullyShardPolicy) -> Any:
             return inner(scopes, *args, **kwargs)
         step, table = in_step
         mp = unit.meta.policy.mp_policy
-        if mp.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        raf = step.unit(unit.meta, _not_a_unit(path)).reshard_after_forward
-        if unit.meta.policy.scan_axis == 0 and raf is not False:
-            inner = lift.checkpoint(inner, policy=step.remat_policy)
+        args, kwargs = mp.cast_inputs((args, kwargs))
+        if unit.meta.policy.scan_axis == 0:  # called per layer, inside nn.scan
+            inner = per_layer(step, inner, lift.checkpoint)
         table.depth[path] = table.depth.get(path, 0) + 1
         try:
-            return cast_floating(inner(scopes, *args, **kwargs), mp.output_dtype)
+            return mp.cast_outputs(inner(scopes, *args, **kwargs))
         finally:
             table.depth[path] -= 1
 

@@ -15,10 +15,9 @@ from typing import Any
 
 from flax import nnx
 
-from jshard._sharding.dtypes import cast_floating
 from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard._step.gather import is_layer_slice
-from jshard._step.unit_gather import gather_entries
+from jshard._step.unit_gather import gather_for_compute, per_layer
 from jshard.flax._nnx.graph import describe, own_variables, unit_state
 from jshard.flax._nnx.step_context import NOT_IN_STEP, current_step, nnx_step
 
@@ -82,24 +81,16 @@ def _guarded(cls: type) -> type:
 def gather_module(module: Any, step: Any) -> list[tuple[Any, Any]]:
     """Put the module's gathered parameters in its Params; returns ``(param, shard)`` to restore."""
     state = unit_state(module)
-    meta = state.meta
-    step_reshard(module, step)  # a unit of this step, or a clear error
     params = own_variables(module)
     own = [(i, p) for i, ((_, is_sub), p) in enumerate(zip(state.entries, params, strict=True)) if not is_sub]
-    if step.pregathered or not own:
-        return []
     shards = [p.get_raw_value() for _, p in own]
     values = [None if is_sub else p.get_raw_value() for (_, is_sub), p in zip(state.entries, params, strict=True)]
-    flat = gather_entries(meta, values, step, layer=_is_stacked_slice(module))
+    flat = gather_for_compute(state.meta, values, step, layer=_is_stacked_slice(module),
+                              not_in_step=NOT_IN_STEP.format(module=describe(module)))
     full = [flat[i] for i, _ in own]
     for (_, p), x in zip(own, full, strict=True):
         p.set_value(x)
     return [(p, x) for (_, p), x in zip(own, shards, strict=True)]
-
-
-def step_reshard(module: Any, step: Any) -> bool | int:
-    """How the module's unit reshards in this step, or a clear error for a module it was not given."""
-    return step.unit(unit_state(module).meta, NOT_IN_STEP.format(module=describe(module))).reshard_after_forward
 
 
 def _is_flax_node(x: Any) -> bool:
@@ -114,10 +105,8 @@ def restore(saved: list[tuple[Any, Any]]) -> None:
 def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """Run ``module.<name>`` with its parameters gathered (see the module docstring).
 
-    [Note: stacked slices] Inside ``nnx.scan`` over a stacked unit the gather runs in a
-    checkpoint (``nnx.remat`` with the core's names policy), as :func:`jshard.scan` does:
-    the step's own checkpoint does not reach into the scan body, and without this every
-    layer's gathered parameters would be saved for backward.
+    Inside ``nnx.scan`` over a stacked unit the gather and the call run as the step runs
+    one layer (``per_layer``, with ``nnx.remat``), as :func:`jshard.scan` does.
     """
     method = getattr(type(module)._jshard_base, name)
     state = unit_state(module)
@@ -136,10 +125,9 @@ def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
             if target not in step.held:
                 step.held[target] = Held(ShardedState.PREFETCHED, gather_module(target, step))
 
-    if held is None and _is_stacked_slice(module) and step_reshard(module, step) is not False:
+    if held is None and _is_stacked_slice(module):
         prefetch()  # outside the checkpoint: the targets live in this trace
-        call = nnx.remat(lambda m: _gathered_call(m, method, args, kwargs, step), policy=step.remat_policy)
-        return call(module)
+        return per_layer(step, lambda m: _gathered_call(m, method, args, kwargs, step), nnx.remat)(module)
     return _gathered_call(module, method, args, kwargs, step, prefetch)
 
 
@@ -152,9 +140,8 @@ def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: An
         if prefetch is not None:
             prefetch()
         mp = unit_state(module).meta.policy.mp_policy
-        if mp.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype, is_leaf=_is_flax_node)
-        return cast_floating(method(module, *args, **kwargs), mp.output_dtype, is_leaf=_is_flax_node)
+        args, kwargs = mp.cast_inputs((args, kwargs), is_leaf=_is_flax_node)
+        return mp.cast_outputs(method(module, *args, **kwargs), is_leaf=_is_flax_node)
     finally:
         restore(step.held.pop(module).saved)
 
