@@ -201,6 +201,8 @@ def layer_layout(layout: LeafLayout) -> LeafLayout:
 
 
 def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:
-    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` /
-    ``nn.scan`` body over a stacked unit), rather than the whole stored leaf."""
+    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` body
+    over a stacked unit), rather than the whole stored leaf. Inferred from ``ndim``: Flax's
+    ``nnx.scan`` leaves no mark on the Variables it slices (``js.scan`` says ``layer=True``;
+    Linen's units say ``scan_axis=0``)."""
     return policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1
