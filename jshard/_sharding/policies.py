@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jshard._sharding.comm_hooks import AllGather, AllReduce, ReduceScatter, check_hook
-from jshard._sharding.dtypes import is_floating
+from jshard._sharding.dtypes import cast_floating, is_floating
 
 
 def _as_dtype(name: str, value: Any) -> np.dtype | None:
@@ -111,6 +111,27 @@ class MixedPrecisionPolicy:
           dtype(bfloat16)
         """
         return np.dtype(self.reduce_dtype or self.param_dtype or leaf_dtype)
+
+    def cast_inputs(self, tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+        """A forward's floating inputs in ``param_dtype`` when ``cast_forward_inputs`` (the
+        step's batch, a sharded module's arguments); the one home of that cast.
+
+        Example:
+          >>> import jax.numpy as jnp, jshard as js
+          >>> js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16).cast_inputs(jnp.ones(2)).dtype
+          dtype(bfloat16)
+        """
+        return cast_floating(tree, self.param_dtype, is_leaf) if self.cast_forward_inputs else tree
+
+    def cast_outputs(self, tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+        """A forward's floating outputs in ``output_dtype`` (the loss, a sharded module's result).
+
+        Example:
+          >>> import jax.numpy as jnp, jshard as js
+          >>> js.MixedPrecisionPolicy(output_dtype=jnp.float32).cast_outputs(jnp.ones(2, jnp.bfloat16)).dtype
+          dtype('float32')
+        """
+        return cast_floating(tree, self.output_dtype, is_leaf)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,25 +19,21 @@ from jax.sharding import Mesh
 from jshard._sharding.layout import LeafLayout
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
-from jshard._sharding.views import current_view
+from jshard._sharding.step_state import active_step
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
 class UnitMeta:
     """Static facts of a unit; ``layouts[i]`` is ``None`` where a sub-unit sits.
 
-    ``step_reshard`` is ``None`` except on the units a step was given, inside its
-    ``shard_map`` body: there the step sets it to the unit's resolved
-    ``reshard_after_forward`` (``None`` in the policy: ``False`` for a root, ``True``
-    otherwise), which also marks the unit as one of the step's own (a unit closed over
-    by the loss keeps ``None``).
+    Only facts that hold in every step: what a step decides for the unit lives in the
+    step's :class:`jshard._sharding.step_state.StepState` ([Note: step state]).
     """
 
     mesh: Mesh
     axes: MeshAxes
     policy: FullyShardPolicy
     layouts: tuple[LeafLayout | None, ...]
-    step_reshard: bool | int | None = None
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -171,8 +167,8 @@ _DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")  # JAX's tracers under jax.gr
 
 def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
     """Refuse the two common ways of reading a leaf as a parameter when it is not one."""
-    view = current_view()
-    reading_shard = view is not None and not view.pregathered
+    step = active_step()
+    reading_shard = step is not None and step.holds_shards
     if not hasattr(value, "shape") or not (reading_shard or type(value).__name__ in _DIFFERENTIATED):
         return  # the common case (eager or jit reads): no layout lookup
     layout = _own_layout(unit, key)
@@ -183,7 +179,7 @@ def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
              "n": unit.meta.axes.shard_size}
     if reading_shard and tuple(value.shape) != layout.shape:
         raise RuntimeError(READ_SHARD.format(**facts))
-    if view is None and layout.padding and type(value).__name__ in _DIFFERENTIATED:
+    if step is None and layout.padding and type(value).__name__ in _DIFFERENTIATED:
         raise RuntimeError(READ_PADDED.format(**facts))
 
 
@@ -238,3 +234,17 @@ def all_units(tree: Any) -> list[tuple[FSDPUnit, bool]]:
 
     visit([tree], True)
     return found
+
+
+def one_mesh(units: list[tuple[FSDPUnit, bool]], who: str) -> tuple[Mesh, MeshAxes]:
+    """The mesh and data-parallel axes all ``units`` share (the first unit's), or an error
+    that names both; ``who`` says what needs one mesh. The one home of that rule."""
+    mesh, axes = units[0][0].meta.mesh, units[0][0].meta.axes
+    for unit, _ in units:
+        if (unit.meta.mesh, unit.meta.axes) != (mesh, axes):
+            raise ValueError(
+                f"{who} must share a mesh and data-parallel axes, got units on different meshes: mesh "
+                f"{dict(unit.meta.mesh.shape)} with shard axes {unit.meta.axes.shard} beside {dict(mesh.shape)} "
+                f"with {axes.shard}; fully_shard every unit on the same mesh."
+            )
+    return mesh, axes

@@ -34,7 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jshard._sharding.layout import LeafLayout, memory_kind, pad, partition_spec, unpad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import axes_of_type, only_axes
-from jshard._sharding.unit import all_units, is_unit, map_unit_leaves
+from jshard._sharding.unit import all_units, is_unit, map_unit_leaves, one_mesh
 from jshard._state.state_layout import replicated_layout, stored_state
 from jshard._state.stored_leaves import strip_units
 
@@ -59,14 +59,7 @@ def _common_target(tree: Any, name: str) -> _Target:
             f"shard_optimizer got `{name}` without any FSDPUnit: it runs on trees made by js.fully_shard; "
             "for plain arrays use the Optax transformation directly."
         )
-    first = units[0][0].meta
-    for unit, _ in units:
-        if (unit.meta.mesh, unit.meta.axes) != (first.mesh, first.axes):
-            raise ValueError(
-                f"shard_optimizer got units on different meshes in `{name}`: {dict(unit.meta.mesh.shape)} with "
-                f"shard axes {unit.meta.axes.shard} beside {dict(first.mesh.shape)} with {first.axes.shard}; "
-                "fully_shard every unit on the same mesh."
-            )
+    mesh, axes = one_mesh(units, f"The units shard_optimizer gets in `{name}`")
 
     for path, leaf in jax.tree.flatten_with_path(tree, is_leaf=is_unit)[0]:
         if not is_unit(leaf):
@@ -74,7 +67,7 @@ def _common_target(tree: Any, name: str) -> _Target:
                 f"Leaf {jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))} in `{name}` belongs to no "
                 "unit; apply js.fully_shard to the root of the parameters (it keeps existing units)."
             )
-    return _Target(first.mesh, first.axes)
+    return _Target(mesh, axes)
 
 
 def _places(tree: Any) -> list[_Place]:

@@ -162,7 +162,7 @@ def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> An
             own = _own_layout(layout, x, shard_size, min_size)
             entries.append(jax.ShapeDtypeStruct(own.padded_shape, x.dtype))
             layouts.append(own)
-        return FSDPUnit(p.with_entries(entries), dataclasses.replace(p.meta, layouts=tuple(layouts), step_reshard=None))
+        return FSDPUnit(p.with_entries(entries), dataclasses.replace(p.meta, layouts=tuple(layouts)))
 
     return jax.tree.map(rebuild, params, is_leaf=is_unit)
 
@@ -177,7 +177,7 @@ def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: in
 
     def one_leaf_unit(record: StoredLeaf, x: Any) -> FSDPUnit:
         layout = _own_layout(record.layout, x, shard_size, min_size)
-        meta = dataclasses.replace(record.meta, layouts=(layout,), step_reshard=None)
+        meta = dataclasses.replace(record.meta, layouts=(layout,))
         return FSDPUnit(jax.ShapeDtypeStruct(layout.padded_shape, x.dtype), meta)
 
     def store(path: tuple, x: Any) -> Any:

@@ -20,8 +20,7 @@ from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import LeafLayout, memory_kind, pad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
-from jshard._sharding.unit import UnitMeta
-from jshard._sharding.views import LocalView
+from jshard._sharding.step_state import StepState
 from jshard._step import collectives as C
 from jshard._step.model_manual import interleave_model, model_manual, model_piece
 from jshard._step.offload import to_device, to_host
@@ -190,27 +189,13 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
 
 
 def leaf_comm(
-    layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, view: LocalView, in_loop: bool = False,
+    layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, step: StepState, in_loop: bool = False,
     phased: bool = True,
 ) -> LeafComm:
     """``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases])."""
     factor = policy.gradient_divide_factor or axes.data_parallel_size
     phases = axes.scatter_phases if phased else ()
-    return LeafComm(layout, axes, policy, float(factor), view.skip_all_reduce, in_loop, phases)
-
-
-NOT_IN_STEP = (
-    "js.unshard got a unit that was not passed to this step (units must be part of the `sharded` "
-    "argument of the grad function, not closed over); pass it in `sharded`."
-)
-
-
-def step_reshard(meta: UnitMeta) -> bool | int:
-    """How a unit of this step reshards after forward (``UnitMeta.step_reshard``), or a clear
-    error for a unit the step was not given."""
-    if meta.step_reshard is None:
-        raise ValueError(NOT_IN_STEP)
-    return meta.step_reshard
+    return LeafComm(layout, axes, policy, float(factor), step.skip_all_reduce, in_loop, phases)
 
 
 def layer_layout(layout: LeafLayout) -> LeafLayout:
@@ -220,6 +205,8 @@ def layer_layout(layout: LeafLayout) -> LeafLayout:
 
 
 def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:
-    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` /
-    ``nn.scan`` body over a stacked unit), rather than the whole stored leaf."""
+    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` body
+    over a stacked unit), rather than the whole stored leaf. Inferred from ``ndim``: Flax's
+    ``nnx.scan`` leaves no mark on the Variables it slices (``js.scan`` says ``layer=True``;
+    Linen's units say ``scan_axis=0``)."""
     return policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1

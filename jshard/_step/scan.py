@@ -8,10 +8,9 @@ from typing import Any
 import jax
 
 from jshard._sharding.fully_shard import unshard_global
+from jshard._sharding.step_state import active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
-from jshard._sharding.views import current_view
-from jshard._step.gather import step_reshard
-from jshard._step.unit_gather import gather_entries
+from jshard._step.unit_gather import gather_for_compute, per_layer
 
 
 def _check_stacked(units: Any) -> FSDPUnit:
@@ -60,16 +59,12 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
       (81.0, (4, 8, 3))
     """
     units = _check_stacked(units)
-    view = current_view()
-    if view is None:
+    step = active_step()
+    if step is None:
         return jax.lax.scan(body, init, unshard_global(units), **scan_kwargs)
-    step_reshard(units.meta)  # a unit of this step, or a clear error (before the scan)
-    entries = units.own_entries()
-    if view.pregathered:
-        return jax.lax.scan(body, init, units.with_entries(entries), **scan_kwargs)
+    step.unit(units.meta)  # a unit of this step, or a clear error (before the scan)
 
-    def step(carry, layer_entries):
-        return body(carry, units.with_entries(gather_entries(units.meta, layer_entries, view, layer=True)))
+    def iteration(carry, layer_entries):
+        return body(carry, units.with_entries(gather_for_compute(units.meta, layer_entries, step, layer=True)))
 
-    step = jax.checkpoint(step, policy=view.remat_policy)  # per iteration: see [Note: nested remat]
-    return jax.lax.scan(step, init, entries, **scan_kwargs)
+    return jax.lax.scan(per_layer(step, iteration), init, units.own_entries(), **scan_kwargs)

@@ -1,32 +1,45 @@
-"""The gather path of a unit in the step: its leaves' collectives per leaf or per unit."""
+"""Gathering a unit for compute: the one routine ``js.unshard``, ``js.scan`` and both Flax
+adapters call, each supplying only where its values live.
+
+[Note: gather for compute] Each rule of a unit's gather has one home here: a unit the step
+was not given is an error (:meth:`StepState.unit`); where the step gathered every unit up
+front (deferred gradient sync) the values are returned as they are; otherwise every own,
+non-ignored leaf is all-gathered in ``param_dtype`` (per leaf, or through one flat buffer
+with ``unit_collectives``). One layer of a stacked unit runs its gather and compute under
+the step's checkpoint (:func:`per_layer`). The guard against reading a shard is the step's
+``holds_shards`` (``step_state.py``), the forward's casts are ``MixedPrecisionPolicy``'s.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jshard._sharding.step_state import NOT_IN_STEP, StepState
 from jshard._sharding.torus import phases_pay_off
 from jshard._sharding.unit import FSDPUnit, UnitMeta
-from jshard._sharding.views import LocalView
-from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm, step_reshard
+from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm
 from jshard._step.remat import FREE, GATHER_START, SAVED
 from jshard._step.unit_collectives import gather_unit, joins_unit_buffer
 
 
-def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer: bool = False) -> list[Any]:
-    """The one gather path: ``entries`` (a unit's own shards and sub-unit placeholders, in
-    ``unit.own_entries()`` order; ``meta`` its meta) with every own, non-ignored leaf
-    gathered for compute.
+def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, layer: bool = False,
+                       not_in_step: str = NOT_IN_STEP) -> list[Any]:
+    """``entries`` (a unit's own shards and sub-unit placeholders, in ``unit.own_entries()``
+    order; ``meta`` its meta) with every own, non-ignored leaf gathered for compute (see
+    [Note: gather for compute]); ``not_in_step``: the caller's message for a unit the step
+    was not given.
 
     ``layer=True``: the entries are one layer's slices of a stacked unit (``js.scan``,
-    ``nnx.scan``, ``nn.scan`` bodies). Used by :func:`jshard.unshard` in the local view,
-    :func:`jshard.scan` and the NNX and Linen adapters.
+    ``nnx.scan``, ``nn.scan`` bodies).
     """
-    raf = step_reshard(meta)  # a unit of this step, or a clear error
-    if view.pregathered:
+    raf = step.unit(meta, not_in_step).reshard_after_forward  # a unit of this step, or a clear error
+    if step.pregathered:
         return list(entries)
     out = list(entries)
     together: dict[tuple, list[tuple[int, LeafComm]]] = {}
@@ -34,7 +47,7 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
                              if layout is not None and layout.sharded and not layout.ignored], in_loop=layer)
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:
-            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, view, in_loop=layer,
+            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, step, in_loop=layer,
                              phased=phased)
             if joins_unit_buffer(comm, raf):
                 together.setdefault((comm.param_dtype, comm.reduce_dtype, comm.offloaded), []).append((i, comm))
@@ -53,6 +66,16 @@ def gather_entries(meta: UnitMeta, entries: list[Any], view: LocalView, *, layer
     return out
 
 
-def unshard_unit(unit: FSDPUnit, view: LocalView) -> Any:
+def per_layer(step: StepState, fn: Callable[..., Any], checkpoint: Callable[..., Any] = jax.checkpoint) -> Any:
+    """``fn``, one layer's gather and compute, as the step runs it: under ``checkpoint`` (the
+    caller's lifted ``jax.checkpoint``: ``nnx.remat``, ``lift.checkpoint``) with the step's
+    policy, so that the layer is re-gathered in its backward iteration rather than saved for
+    every layer, and the user's activation policy reaches into the loop body ([Note: nested
+    remat]); as it is where the step gathered every unit up front.
+    """
+    return fn if step.pregathered else checkpoint(fn, policy=step.remat_policy)
+
+
+def unshard_unit(unit: FSDPUnit, step: StepState) -> Any:
     """The unit's tree with its own leaves gathered; sub-units stay units."""
-    return unit.with_entries(gather_entries(unit.meta, unit.own_entries(), view))
+    return unit.with_entries(gather_for_compute(unit.meta, unit.own_entries(), step))

@@ -1,12 +1,12 @@
-"""``unshard``: the global view's gather, or the step's just-in-time gather (see [Note: views])."""
+"""``unshard``: the global view's gather, or the step's just-in-time gather (see [Note: step state])."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from jshard._sharding.fully_shard import unshard_global
+from jshard._sharding.step_state import active_step
 from jshard._sharding.unit import is_unit
-from jshard._sharding.views import current_view
 from jshard._step.unit_gather import unshard_unit
 
 
@@ -35,12 +35,12 @@ def unshard(sharded: Any) -> Any:
       >>> js.unshard(js.fully_shard(p))["w"].shape
       (10,)
     """
-    view = current_view()
-    if view is not None:
+    step = active_step()
+    if step is not None:
         if not is_unit(sharded):
             raise TypeError(
                 f"js.unshard inside the step takes one FSDPUnit, got {type(sharded).__name__}; "
                 "call it on each unit right before its parameters are used."
             )
-        return unshard_unit(sharded, view)
+        return unshard_unit(sharded, step)
     return unshard_global(sharded)

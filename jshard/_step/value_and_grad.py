@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -11,12 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jshard._sharding.dtypes import cast_floating, is_floating
+from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import manual_spec, memory_kind, named_sharding
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import axes_of_type, only_axes
-from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves
-from jshard._sharding.views import LocalView, current_view, local_view
+from jshard._sharding.step_state import IdentityMap, StepState, UnitStep, stepping
+from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves, one_mesh
 from jshard._step import collectives as C
 from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient
 from jshard._step.model_manual import manual_over_model_axes, model_manual
@@ -32,14 +31,7 @@ def _check_units(sharded: Any) -> tuple[list[tuple[FSDPUnit, bool]], MeshAxes]:
         raise ValueError(
             "The grad function got no FSDPUnit in `sharded`: pass the output of js.fully_shard."
         )
-    mesh, axes = units[0][0].meta.mesh, units[0][0].meta.axes
-    for unit, _ in units:
-        if unit.meta.mesh != mesh or unit.meta.axes != axes:
-            raise ValueError(
-                f"Units of one step must share a mesh and data-parallel axes; got mesh "
-                f"{dict(unit.meta.mesh.shape)} with axes {unit.meta.axes.shard} beside "
-                f"{dict(mesh.shape)} with {axes.shard}; fully_shard every unit on the same mesh."
-            )
+    _, axes = one_mesh(units, "Units of one step")
 
     def outside(meta, layout, x):
         if layout is None:
@@ -52,16 +44,12 @@ def _check_units(sharded: Any) -> tuple[list[tuple[FSDPUnit, bool]], MeshAxes]:
     return units, axes
 
 
-def _in_step(tree: Any, root: bool = True) -> Any:
-    """``tree`` with every unit's meta marked as this step's: ``step_reshard`` resolved."""
-
-    def mark(x: Any) -> Any:
-        if not is_unit(x):
-            return x
-        meta = dataclasses.replace(x.meta, step_reshard=x.meta.policy.resolved_reshard_after_forward(root))
-        return FSDPUnit(_in_step(x.tree, root=False), meta)
-
-    return jax.tree.map(mark, tree, is_leaf=is_unit)
+def _unit_steps(units: list[tuple[FSDPUnit, bool]]) -> IdentityMap[Any, UnitStep]:
+    """How each unit takes part in the step, by the identity of its meta ([Note: step state])."""
+    steps: IdentityMap[Any, UnitStep] = IdentityMap()
+    for unit, root in units:
+        steps.setdefault(unit.meta, UnitStep(unit.meta.policy.resolved_reshard_after_forward(root), root))
+    return steps
 
 
 def _batch_specs(batch: Any, axes: MeshAxes, microbatches: int) -> Any:
@@ -124,34 +112,33 @@ def _over_devices(axes: MeshAxes, loss: Any, aux: Any) -> tuple[Any, Any]:
     return manual_over_model_axes(reduce, axes)((loss, aux)) if axes.model else reduce((loss, aux))
 
 
-def _unshard_all(params: Any) -> Any:
+def _unshard_all(params: Any, step: StepState) -> Any:
     """Gather every unit (recursively) into full parameters."""
-    view = current_view()
 
     def full(x):
         if not is_unit(x):
             return x
-        return jax.tree.map(full, unshard_unit(x, view), is_leaf=is_unit)
+        return jax.tree.map(full, unshard_unit(x, step), is_leaf=is_unit)
 
     return jax.tree.map(full, params, is_leaf=is_unit)
 
 
-def _gather_for_deferred_sync(params: Any, view: LocalView) -> Any:
+def _gather_for_deferred_sync(params: Any, step: StepState) -> Any:
     """Every unit with full, cast leaves (the step reduces their gradients at the end)."""
 
     def gather(meta, layout, x):
         if layout.ignored:
             return x
-        return gather_leaf(leaf_comm(layout, meta.axes, meta.policy, view), x, False)
+        return gather_leaf(leaf_comm(layout, meta.axes, meta.policy, step), x, False)
 
     return map_unit_leaves(gather, params)
 
 
-def _reduce_deferred(params: Any, full_grads: Any, view: LocalView) -> Any:
+def _reduce_deferred(params: Any, full_grads: Any, step: StepState) -> Any:
     def reduce(meta, layout, p, g):
         if not _trainable(layout):
             return _zeros_like(meta, layout, p)
-        return reduce_gradient(leaf_comm(layout, meta.axes, meta.policy, view), g)
+        return reduce_gradient(leaf_comm(layout, meta.axes, meta.policy, step), g)
 
     return map_unit_leaves(reduce, params, full_grads)
 
@@ -213,14 +200,15 @@ def value_and_grad(
     def grad_fn(sharded: Any, batch: Any, *args: Any):
         units, axes = _check_units(sharded)
         root_policy = units[0][0].meta.policy
-        view = LocalView(
+        step = StepState(
             axes=axes,
+            remat_policy=remat_policy_of(remat_policy),
+            units=_unit_steps(units),
             skip_all_reduce=not requires_all_reduce and requires_gradient_sync,
             pregathered=not requires_gradient_sync,
-            remat_policy=remat_policy_of(remat_policy),
         )
         body = functools.partial(
-            _local_step, loss_fn, view, root_policy.mp_policy, has_aux, unshard_params, microbatches
+            _local_step, loss_fn, step, root_policy.mp_policy, has_aux, unshard_params, microbatches
         )
         mesh = units[0][0].meta.mesh
         param_specs = _param_specs(sharded, axes)
@@ -253,29 +241,25 @@ def _split_microbatches(batch: Any, m: int) -> Any:
     return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
 
 
-def _local_step(loss_fn, view, mp, has_aux, unshard_params, microbatches, params, batch, *args):
-    structure = jax.tree.structure(params)  # the gradients leave with the units' own metas
-    params = _in_step(params)
-    with local_view(view):
-        if mp.cast_forward_inputs:
-            batch = cast_floating(batch, mp.param_dtype)
+def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, params, batch, *args):
+    with stepping(step):
+        batch = mp.cast_inputs(batch)
 
         def loss_of(p, mb):
-            out = loss_fn(_unshard_all(p) if unshard_params else p, mb, *args)
+            out = loss_fn(_unshard_all(p, step) if unshard_params else p, mb, *args)
             loss, aux = out if has_aux else (out, None)
-            return jnp.asarray(loss).astype(mp.output_dtype or jnp.result_type(loss)), aux
+            return mp.cast_outputs(jnp.asarray(loss)), aux
 
-        if view.pregathered:
-            fulls = _gather_for_deferred_sync(params, view)
+        if step.pregathered:
+            fulls = _gather_for_deferred_sync(params, step)
             loss, aux, full_grads = _accumulate(loss_of, fulls, batch, microbatches)
-            grads = _reduce_deferred(params, full_grads, view)
+            grads = _reduce_deferred(params, full_grads, step)
         else:
-            remat = segmented(loss_of, view.remat_policy, len(jax.tree.leaves(params)))
+            remat = segmented(loss_of, step.remat_policy, len(jax.tree.leaves(params)))
             loss, aux, grads = _accumulate(remat, params, batch, microbatches)
-        if view.skip_all_reduce:
-            grads = _all_reduce_replicas(params, grads, view)
-        loss, aux = _over_devices(view.axes, loss, aux)
-    grads = jax.tree.unflatten(structure, jax.tree.leaves(grads))
+        if step.skip_all_reduce:
+            grads = _all_reduce_replicas(params, grads, step)
+        loss, aux = _over_devices(step.axes, loss, aux)
     return ((loss, aux) if has_aux else loss), grads
 
 
@@ -304,13 +288,13 @@ def _accumulate(loss_of, params, batch, microbatches):
     return loss * scale, aux, grads
 
 
-def _all_reduce_replicas(params: Any, grads: Any, view: LocalView) -> Any:
+def _all_reduce_replicas(params: Any, grads: Any, step: StepState) -> Any:
     def reduce(meta, layout, p, g):
         if not _trainable(layout):
             return g
         hook = meta.policy.all_reduce_hook or C.all_reduce
         offloaded = memory_kind(layout, meta.policy) is not None  # reduced on device, kept on host
-        reduce_over_replicas = model_manual(layout, view.axes, lambda v: hook(v, view.axes.replicate), False, False)
+        reduce_over_replicas = model_manual(layout, step.axes, lambda v: hook(v, step.axes.replicate), False, False)
         return to_host(reduce_over_replicas(to_device(g, offloaded)), offloaded)
 
     return map_unit_leaves(reduce, params, grads)

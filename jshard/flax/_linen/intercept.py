@@ -15,8 +15,8 @@ that call (and Linen's wrapping of it) through.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,8 +25,7 @@ from jax.sharding import Mesh
 
 from jshard._sharding.policies import FullyShardPolicy
 from jshard.flax._linen.transform import fsdp
-
-_INSIDE: contextvars.ContextVar[frozenset] = contextvars.ContextVar("jshard_linen_inside", default=frozenset())
+from jshard.flax._paths import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,17 +98,20 @@ class ModuleUnits:
           >>> with jlinen.ModuleUnits(nn.Dense).intercept():
           ...     pass
         """
-        with nn.intercept_methods(self._interceptor):
+        with nn.intercept_methods(functools.partial(self._interceptor, set())):
             yield
 
-    def _interceptor(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
+    def _interceptor(self, inside: set[tuple[Path, str]], next_fun: Callable[..., Any], args: tuple, kwargs: dict,
+                     context: Any) -> Any:
+        """``inside``: the ``(path, method)`` calls now running through the lifted transform
+        (owned by this activation of :meth:`intercept`)."""
         module, method = context.module, context.method_name
         scope = getattr(module, "scope", None)
         if method not in self.methods or scope is None:
             return next_fun(*args, **kwargs)
         path = tuple(scope.path)
         root = not path
-        if not (root or self.selects(module)) or (path, method) in _INSIDE.get():
+        if not (root or self.selects(module)) or (path, method) in inside:
             return next_fun(*args, **kwargs)
 
         def call(clone: nn.Module, *a: Any, **k: Any) -> Any:
@@ -117,11 +119,11 @@ class ModuleUnits:
 
         call.__name__ = method
         policy = self.root_policy if root else self.policy
-        token = _INSIDE.set(_INSIDE.get() | {(path, method)})
+        inside.add((path, method))
         try:
             return nn.transforms.lift_transform(fsdp, call, self.mesh, policy)(module, *args, **kwargs)
         finally:
-            _INSIDE.reset(token)
+            inside.discard((path, method))
 
 
 def check_units(units: Any) -> None:

@@ -8,10 +8,11 @@ from typing import Any
 
 from flax.errors import ScopeParamShapeError
 
+from jshard._sharding.step_state import active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
 from jshard._step.value_and_grad import value_and_grad as core_value_and_grad
 from jshard.flax._linen.intercept import ModuleUnits, check_units, intercepting
-from jshard.flax._linen.transform import StepTable, step_table
+from jshard.flax._linen.transform import StepTable
 from jshard.flax._paths import Path, scope_path
 
 
@@ -81,7 +82,8 @@ def value_and_grad(
 
     def inner(local: Any, batch: Any, *args: Any):
         plain, table_units = _local_table(local)
-        with step_table(StepTable(table_units)) as table, intercepting(units):
+        table = StepTable(table_units)
+        with active_step().adapting(table), intercepting(units):
             try:
                 out = loss_fn(plain, batch, *args)
             except ScopeParamShapeError as e:  # a module read shards: name the unit nobody gathered

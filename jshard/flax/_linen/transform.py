@@ -21,20 +21,19 @@ from typing import Any
 import jax
 from flax.core import lift
 
-from jshard._sharding.dtypes import cast_floating
 from jshard._sharding.nested import get_in, set_in
 from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.step_state import StepState, active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
-from jshard._sharding.views import current_view
-from jshard._step.gather import is_layer_slice, step_reshard
-from jshard._step.unit_gather import gather_entries
+from jshard._step.unit_gather import gather_for_compute, per_layer
 from jshard.flax._linen.stacked import own_unboxed
 from jshard.flax._paths import Path, entry_paths, scope_path
 
 
 @dataclasses.dataclass
 class StepTable:
-    """The units of the step by scope path, and which of them were gathered."""
+    """The Linen adapter's part of the step state ([Note: step state]): the units of the step
+    by scope path, how deep each module's calls are nested, and which units were gathered."""
 
     units: dict[Path, FSDPUnit]
     depth: dict[Path, int] = dataclasses.field(default_factory=dict)
@@ -52,17 +51,16 @@ class Discovered:
     stacked: dict[Path, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
-_TABLE: contextvars.ContextVar[StepTable | None] = contextvars.ContextVar("jshard_linen_step", default=None)
+# ``shard_params``'s abstract call is no step: ``model.apply`` cannot carry what it collects.
 _DISCOVERED: contextvars.ContextVar[Discovered | None] = contextvars.ContextVar("jshard_linen_discovered", default=None)
 
 
-@contextlib.contextmanager
-def step_table(table: StepTable) -> Iterator[StepTable]:
-    token = _TABLE.set(table)
-    try:
-        yield table
-    finally:
-        _TABLE.reset(token)
+def linen_step() -> tuple[StepState, StepTable] | None:
+    """The active step and its Linen table, when ``jshard.flax.linen`` started it."""
+    step = active_step()
+    if step is None or not isinstance(step.adapter, StepTable):
+        return None
+    return step, step.adapter
 
 
 @contextlib.contextmanager
@@ -74,15 +72,15 @@ def discovering(units: tuple[Path, ...] = ()) -> Iterator[Discovered]:
         _DISCOVERED.reset(token)
 
 
-def gather_params(unit: FSDPUnit, params: dict, view: Any) -> dict:
+def gather_params(unit: FSDPUnit, params: dict, step: StepState, path: Path) -> dict:
     """``params`` (this module's shards, or one layer of them) with its own leaves gathered."""
     meta, entries = unit.meta, entry_paths(unit.tree)
-    values = [None if is_unit(x) else get_in(params, path) for path, x in entries]
+    values = [None if is_unit(x) else get_in(params, where) for where, x in entries]
     own = [i for i, (_, x) in enumerate(entries) if not is_unit(x)]
-    if view.pregathered or not own:
-        return params
-    layer = any(is_layer_slice(values[i], meta.layouts[i], meta.policy) for i in own)
-    full = gather_entries(meta, values, view, layer=layer)
+    # A wrapped unit with scan_axis=0 (set by shard_params where the module's calls saw one
+    # layer of its params, or by the user) is only ever called inside nn.scan: one layer.
+    layer = meta.policy.scan_axis == 0
+    full = gather_for_compute(meta, values, step, layer=layer, not_in_step=_not_a_unit(path))
     for i in own:
         params = set_in(params, entries[i][0], full[i])
     return params
@@ -93,14 +91,14 @@ def _has_unit(tree: Any) -> bool:
 
 
 def _map_in(path: Path, spec: tuple[Any, FullyShardPolicy], target: dict) -> dict:
-    found, table = _DISCOVERED.get(), _TABLE.get()
+    found, in_step = _DISCOVERED.get(), linen_step()
     if found is not None:
         found.specs[path] = spec
         if not found.units or "params" not in target:
             return target
         params, found.stacked[path] = own_unboxed(target["params"], path, found.units)
         return {**target, "params": params}
-    if table is None or current_view() is None:
+    if in_step is None:
         if _has_unit(target):
             raise RuntimeError(
                 f"Linen module at `{scope_path(path)}` is fully sharded and was called outside the step "
@@ -108,16 +106,21 @@ def _map_in(path: Path, spec: tuple[Any, FullyShardPolicy], target: dict) -> dic
                 "parameters for evaluation (model.apply({'params': js.unshard(params)}, ...))."
             )
         return target  # init, or evaluation with full parameters
+    step, table = in_step
     if table.depth.get(path, 0) > 1:  # a registered method calling another: already gathered
         return target
     if path not in table.units:
-        raise ValueError(
-            f"Linen module at `{scope_path(path)}` is wrapped with jshard.flax.linen.fully_shard but its "
-            "parameters are not a unit of the step: build the sharded params with "
-            "jshard.flax.linen.shard_params(model, params, *example_args)."
-        )
+        raise ValueError(_not_a_unit(path))
     table.gathered.add(path)
-    return {**target, "params": gather_params(table.units[path], target["params"], current_view())}
+    return {**target, "params": gather_params(table.units[path], target["params"], step, path)}
+
+
+def _not_a_unit(path: Path) -> str:
+    return (
+        f"Linen module at `{scope_path(path)}` is wrapped with jshard.flax.linen.fully_shard but its "
+        "parameters are not a unit of the step: build the sharded params with "
+        "jshard.flax.linen.shard_params(model, params, *example_args)."
+    )
 
 
 def fsdp(fn: Any, mesh: Any, policy: FullyShardPolicy) -> Any:
@@ -129,19 +132,19 @@ def fsdp(fn: Any, mesh: Any, policy: FullyShardPolicy) -> Any:
     def wrapped(scopes: Any, *args: Any, **kwargs: Any) -> Any:
         scope = scopes[0] if isinstance(scopes, (list, tuple)) else scopes
         path = tuple(scope.path)
-        table = _TABLE.get()
+        in_step = linen_step()
         inner = lift.map_variables(fn, "params", lambda t: _map_in(path, (mesh, policy), t), init=True)
-        unit = table.units.get(path) if table is not None and current_view() is not None else None
+        unit = in_step[1].units.get(path) if in_step is not None else None
         if unit is None:
             return inner(scopes, *args, **kwargs)
+        step, table = in_step
         mp = unit.meta.policy.mp_policy
-        if mp.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-        if unit.meta.policy.scan_axis == 0 and step_reshard(unit.meta) is not False:
-            inner = lift.checkpoint(inner, policy=current_view().remat_policy)
+        args, kwargs = mp.cast_inputs((args, kwargs))
+        if unit.meta.policy.scan_axis == 0:  # called per layer, inside nn.scan
+            inner = per_layer(step, inner, lift.checkpoint)
         table.depth[path] = table.depth.get(path, 0) + 1
         try:
-            return cast_floating(inner(scopes, *args, **kwargs), mp.output_dtype)
+            return mp.cast_outputs(inner(scopes, *args, **kwargs))
         finally:
             table.depth[path] -= 1
 

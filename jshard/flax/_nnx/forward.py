@@ -15,12 +15,11 @@ from typing import Any
 
 from flax import nnx
 
-from jshard._sharding.dtypes import cast_floating
-from jshard._sharding.views import current_view
+from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard._step.gather import is_layer_slice
-from jshard._step.unit_gather import gather_entries
+from jshard._step.unit_gather import gather_for_compute, per_layer
 from jshard.flax._nnx.graph import describe, own_variables, unit_state
-from jshard.flax._nnx.step_context import Held, active_step, current_step
+from jshard.flax._nnx.step_context import NOT_IN_STEP, current_step, nnx_step
 
 OUTSIDE_STEP = (
     "{module} is fully sharded and was called outside the step: its parameters are shards. "
@@ -50,8 +49,8 @@ class GuardedParam:
     __slots__ = ()
 
     def get_value(self, **kwargs: Any) -> Any:
-        view = current_view()
-        if view is not None and not view.pregathered and active_step() is not None:
+        step = nnx_step()
+        if step is not None and step.holds_shards:
             if tuple(getattr(self.get_raw_value(), "shape", ())) in self.get_metadata().get("jshard_shards", ()):
                 raise RuntimeError(READ_SHARD.format(path=self.get_metadata().get("jshard_path", "?")))
         return super().get_value(**kwargs)
@@ -79,36 +78,19 @@ def _guarded(cls: type) -> type:
     return type(f"Sharded{cls.__name__}", (GuardedParam, cls), {"__slots__": (), "__module__": "jshard.flax.nnx"})
 
 
-def gather_module(module: Any, view: Any) -> list[tuple[Any, Any]]:
+def gather_module(module: Any, step: Any) -> list[tuple[Any, Any]]:
     """Put the module's gathered parameters in its Params; returns ``(param, shard)`` to restore."""
     state = unit_state(module)
-    meta = state.meta
-    step_reshard(module)  # a unit of this step, or a clear error
     params = own_variables(module)
     own = [(i, p) for i, ((_, is_sub), p) in enumerate(zip(state.entries, params, strict=True)) if not is_sub]
-    if view.pregathered or not own:
-        return []
     shards = [p.get_raw_value() for _, p in own]
     values = [None if is_sub else p.get_raw_value() for (_, is_sub), p in zip(state.entries, params, strict=True)]
-    flat = gather_entries(meta, values, view, layer=_is_stacked_slice(module))
+    flat = gather_for_compute(state.meta, values, step, layer=_is_stacked_slice(module),
+                              not_in_step=NOT_IN_STEP.format(module=describe(module)))
     full = [flat[i] for i, _ in own]
     for (_, p), x in zip(own, full, strict=True):
         p.set_value(x)
     return [(p, x) for (_, p), x in zip(own, shards, strict=True)]
-
-
-NOT_IN_STEP = (
-    "{module} was called in a step that it is not part of: pass the model that contains it to the "
-    "grad function (do not close over sharded modules)."
-)
-
-
-def step_reshard(module: Any) -> bool | int:
-    """How the module's unit reshards in this step (its meta's ``step_reshard``), or a clear error."""
-    raf = unit_state(module).meta.step_reshard
-    if raf is None:
-        raise ValueError(NOT_IN_STEP.format(module=describe(module)))
-    return raf
 
 
 def _is_flax_node(x: Any) -> bool:
@@ -123,50 +105,45 @@ def restore(saved: list[tuple[Any, Any]]) -> None:
 def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """Run ``module.<name>`` with its parameters gathered (see the module docstring).
 
-    [Note: stacked slices] Inside ``nnx.scan`` over a stacked unit the gather runs in a
-    checkpoint (``nnx.remat`` with the core's names policy), as :func:`jshard.scan` does:
-    the step's own checkpoint does not reach into the scan body, and without this every
-    layer's gathered parameters would be saved for backward.
+    Inside ``nnx.scan`` over a stacked unit the gather and the call run as the step runs
+    one layer (``per_layer``, with ``nnx.remat``), as :func:`jshard.scan` does.
     """
     method = getattr(type(module)._jshard_base, name)
     state = unit_state(module)
-    view = current_view()
-    if view is None:
+    if active_step() is None:
         if state.unsharded:
             return method(module, *args, **kwargs)
         raise RuntimeError(OUTSIDE_STEP.format(module=describe(module)))
     step = current_step(module)
-    held = step.gathered.get(id(module))
-    if held is not None and held.kind != "prefetch":
+    held = step.held.get(module)
+    if held is not None and held.state is not ShardedState.PREFETCHED:
         return method(module, *args, **kwargs)
 
     def prefetch() -> None:
         for path in state.forward_prefetch:
-            target = step.module_at(path, module)
-            if id(target) not in step.gathered:
-                step.gathered[id(target)] = Held("prefetch", gather_module(target, view))
+            target = step.adapter.module_at(path, module)
+            if target not in step.held:
+                step.held[target] = Held(ShardedState.PREFETCHED, gather_module(target, step))
 
-    if held is None and _is_stacked_slice(module) and step_reshard(module) is not False:
+    if held is None and _is_stacked_slice(module):
         prefetch()  # outside the checkpoint: the targets live in this trace
-        call = nnx.remat(lambda m: _gathered_call(m, method, args, kwargs, step, view), policy=view.remat_policy)
-        return call(module)
-    return _gathered_call(module, method, args, kwargs, step, view, prefetch)
+        return per_layer(step, lambda m: _gathered_call(m, method, args, kwargs, step), nnx.remat)(module)
+    return _gathered_call(module, method, args, kwargs, step, prefetch)
 
 
-def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: Any, view: Any, prefetch=None) -> Any:
-    held = step.gathered.get(id(module))
+def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: Any, prefetch=None) -> Any:
+    held = step.held.get(module)
     if held is None:
-        held = step.gathered[id(module)] = Held("forward", gather_module(module, view))
-    held.kind = "forward"
+        held = step.held[module] = Held(ShardedState.FORWARD, gather_module(module, step))
+    held.state = ShardedState.FORWARD
     try:
         if prefetch is not None:
             prefetch()
         mp = unit_state(module).meta.policy.mp_policy
-        if mp.cast_forward_inputs:
-            args, kwargs = cast_floating((args, kwargs), mp.param_dtype, is_leaf=_is_flax_node)
-        return cast_floating(method(module, *args, **kwargs), mp.output_dtype, is_leaf=_is_flax_node)
+        args, kwargs = mp.cast_inputs((args, kwargs), is_leaf=_is_flax_node)
+        return mp.cast_outputs(method(module, *args, **kwargs), is_leaf=_is_flax_node)
     finally:
-        restore(step.gathered.pop(id(module)).saved)
+        restore(step.held.pop(module).saved)
 
 
 def _is_stacked_slice(module: Any) -> bool:

@@ -123,20 +123,6 @@ def build_unit(module: Any) -> FSDPUnit:
     return FSDPUnit(nest(items), state.meta)
 
 
-def adopt_metas(module: Any, unit: FSDPUnit) -> None:
-    """Give ``module`` and its sharded sub-modules the metas of ``unit`` (as :func:`build_unit` made it).
-
-    The step marks the metas of the units it was given (``UnitMeta.step_reshard``); the
-    modules rebuilt inside the step take them, so each gathers as the step decided.
-    """
-    state = unit_state(module)
-    set_unit_state(module, dataclasses.replace(state, meta=unit.meta))
-    for ((_, is_sub), node), entry in zip(zip(state.entries, own_variables(module), strict=True), unit.own_entries(),
-                                          strict=True):
-        if is_sub:
-            adopt_metas(node, entry)
-
-
 def unit_leaf_paths(module: Any, prefix: Path = ()) -> list[Path]:
     """Absolute paths of the leaves of ``build_unit(module)``, in ``jax.tree.leaves`` order."""
     state = unit_state(module)

@@ -17,10 +17,10 @@ from flax import nnx
 from jshard._sharding.comm_hooks import AllGather, AllReduce, ReduceScatter
 from jshard._sharding.fully_shard import gather_own, shard_own
 from jshard._sharding.mesh import check_reshard_group
-from jshard._sharding.views import current_view
+from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard.flax._nnx.forward import gather_module, restore
 from jshard.flax._nnx.graph import build_unit, own_variables, set_unit_state, sharded_modules, unit_state
-from jshard.flax._nnx.step_context import Held, current_step
+from jshard.flax._nnx.step_context import current_step
 from jshard.flax._paths import Path
 
 
@@ -75,15 +75,14 @@ class FSDPModule(nnx.Module):
           >>> model.reshard(); model.kernel.get_value().shape
           (8, 5)
         """
-        view = current_view()
-        if view is None:
+        if active_step() is None:
             _unshard_global(self)
         else:
             step = current_step(self)
-            if id(self) not in step.gathered:
-                step.gathered[id(self)] = Held("explicit", gather_module(self, view))
+            if self not in step.held:
+                step.held[self] = Held(ShardedState.UNSHARDED, gather_module(self, step))
             else:
-                step.gathered[id(self)].kind = "explicit"
+                step.held[self].state = ShardedState.UNSHARDED
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
@@ -96,10 +95,10 @@ class FSDPModule(nnx.Module):
           >>> _ = m.unshard(); m.reshard(); m.kernel.get_value().shape
           (8, 2)
         """
-        if current_view() is None:
+        if active_step() is None:
             _reshard_global(self)
             return
-        held = current_step(self).gathered.pop(id(self), None)
+        held = current_step(self).held.pop(self, None)
         if held is not None:
             restore(held.saved)
 

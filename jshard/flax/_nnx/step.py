@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jshard._sharding.views import current_view
+from jshard._sharding.step_state import active_step
 from jshard._step.value_and_grad import value_and_grad as core_value_and_grad
-from jshard.flax._nnx.graph import adopt_metas, build_unit, describe, sharded_modules, unit_leaf_paths, unit_state
-from jshard.flax._nnx.step_context import step_context
+from jshard.flax._nnx.graph import build_unit, describe, sharded_modules, unit_leaf_paths, unit_state
+from jshard.flax._nnx.step_context import NnxStep
 from jshard.flax._paths import Path, attribute_path
 
 
@@ -68,7 +68,7 @@ def _check_covered(module: Any, unit_paths: list[Path], param_paths: list[Path])
 
 def _encode_rest(rest: Any) -> Any:
     """Make non-Param state survive the step's aux reduction (mean of floats, sum of others)."""
-    axes = current_view().axes.data_parallel
+    axes = active_step().axes.data_parallel
     first = jax.lax.axis_index(axes) == 0
 
     def encode(x):
@@ -155,8 +155,7 @@ def value_and_grad(
             by_path = dict(zip(unit_paths, jax.tree.leaves(local_units), strict=True))
             fresh_rest = jax.tree.map(lambda x: x, local_rest)  # Variables of this trace, so the model can update them
             model = nnx.merge(graphdef, _with_values(params, param_paths, by_path), fresh_rest)
-            adopt_metas(model, local_units)
-            with step_context(model):
+            with active_step().adapting(NnxStep(model)):
                 out = loss_fn(model, local_batch, *local_args)
             loss, aux = out if has_aux else (out, None)
             new_rest = _encode_rest(nnx.state(model, nnx.Not(nnx.Param))) if keep_rest else None

@@ -1,64 +1,48 @@
-"""The NNX step context: which sharded modules hold gathered parameters right now.
+"""The NNX adapter's part of the step state: the model merged inside the step.
 
-Set by ``jshard.flax.nnx.value_and_grad`` while it traces the loss inside the core's
-local view. Keys are ``id(module)`` of modules made inside that trace (``nnx.merge``).
+``jshard.flax.nnx.value_and_grad`` rebuilds the model (``nnx.merge``) inside the core step
+and records it as the step's ``adapter`` ([Note: step state]); what each module holds
+gathered is the step's ``held`` map, keyed by the module objects made in that trace.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
+from jshard._sharding.step_state import StepState, active_step
 from jshard.flax._nnx.graph import describe, module_at
 from jshard.flax._paths import Path
 
-
-@dataclasses.dataclass
-class Held:
-    """Gathered parameters of one module: ``kind`` is ``"forward"`` (during its call),
-    ``"prefetch"`` (gathered early by another module) or ``"explicit"`` (``unshard()``);
-    ``saved`` are ``(param, shard)`` pairs to put back."""
-
-    kind: str
-    saved: list[tuple[Any, Any]]
+NOT_IN_STEP = (
+    "{module} was called in a step that it is not part of: pass the model that contains it to the "
+    "grad function (do not close over sharded modules)."
+)
 
 
-@dataclasses.dataclass
-class StepContext:
-    """``gathered``: ``id(module) -> Held`` for the modules holding gathered parameters."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class NnxStep:
+    """The model merged in the step, where prefetch targets are looked up."""
 
     root: Any
-    gathered: dict[int, Held] = dataclasses.field(default_factory=dict)
 
     def module_at(self, path: Path, requester: Any) -> Any:
         """A prefetch target: the sharded module at ``path`` in ``requester``'s model."""
         return module_at(self.root, path, requester)
 
 
-_CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("jshard_nnx_step", default=None)
+def nnx_step() -> StepState | None:
+    """The active step when ``jshard.flax.nnx`` started it, else ``None``."""
+    step = active_step()
+    return step if step is not None and isinstance(step.adapter, NnxStep) else None
 
 
-def active_step() -> StepContext | None:
-    return _CURRENT.get()
-
-
-def current_step(module: Any) -> StepContext:
-    step = _CURRENT.get()
+def current_step(module: Any) -> StepState:
+    """The active NNX step, or a clear error for a step ``jshard.flax.nnx`` did not start."""
+    step = nnx_step()
     if step is None:
         raise RuntimeError(
             f"{describe(module)} was called inside a jshard step that jshard.flax.nnx did not start; "
             "use jshard.flax.nnx.value_and_grad(loss_fn)(model, batch) for NNX modules."
         )
     return step
-
-
-@contextlib.contextmanager
-def step_context(root: Any) -> Iterator[StepContext]:
-    token = _CURRENT.set(StepContext(root))
-    try:
-        yield _CURRENT.get()
-    finally:
-        _CURRENT.reset(token)
