@@ -44,7 +44,6 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jshard as js  # noqa: E402
@@ -210,9 +209,11 @@ def models(quick: bool) -> list[Model]:
 
 
 def target_mesh(target: CompileTarget) -> Mesh:
-    """A 1-D ``fsdp`` mesh (Auto axes, as the recipes want) over the target's devices."""
+    """A 1-D ``fsdp`` mesh (Auto axes, as the recipes want) over the target's devices, in the
+    order ``jax.make_mesh`` gives them (row-major over a TPU torus, which a topology's own
+    device list is not from 4x4x4 up: [Note: torus phases])."""
     devices = target.tpu_devices() if target.platform == "tpu" else jax.devices()[: target.devices]
-    return Mesh(np.array(devices), ("fsdp",), axis_types=(AxisType.Auto,))
+    return jax.make_mesh((len(devices),), ("fsdp",), devices=devices, axis_types=(AxisType.Auto,))
 
 
 def main(argv: list[str] | None = None) -> None:
