@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 
-from jshard._report.hlo import COMPUTATION_HEADER
+from jshard._report.hlo import computation_lines
 from jshard._report.step_collectives import loop_counts
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [a-z]+\d*\[([\d,]*)\]")
@@ -52,12 +52,8 @@ def matmul_flops(hlo_text: str) -> float:
         definition = _DEFINITION.match(line)
         if definition:
             shapes[definition.group(1)] = _dims(definition.group(2))
-    total, current = 0.0, ""
-    for line in hlo_text.splitlines():
-        header = COMPUTATION_HEADER.match(line)
-        if header:
-            current = header.group(1)
-            continue
+    total = 0.0
+    for current, line in computation_lines(hlo_text):
         dot, conv = _DOT.match(line), _CONVOLUTION.match(line)
         if dot:
             lhs = shapes.get(dot.group(2), [])

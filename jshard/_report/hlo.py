@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -23,6 +24,24 @@ _GROUPS = re.compile(
 )
 _IOTA = re.compile(r"\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?")
 _MESH = re.compile(r"mesh\[([^\]]*)\] \{([^}]*)\}")
+
+
+def computation_lines(hlo_text: str) -> Iterator[tuple[str, str]]:
+    r"""``(computation, line)`` for every line of ``hlo_text`` but the computations' headers:
+    the one walk the readers of compiled HLO share.
+
+    Example:
+      >>> from jshard._report.hlo import computation_lines
+      >>> list(computation_lines("ENTRY %main (p: f32[2]) -> f32[2] {\n  ROOT %p = f32[2] parameter(0)\n}"))
+      [('main', '  ROOT %p = f32[2] parameter(0)'), ('main', '}')]
+    """
+    current = ""
+    for line in hlo_text.splitlines():
+        header = COMPUTATION_HEADER.match(line)
+        if header:
+            current = header.group(1)
+        else:
+            yield current, line
 
 
 def _ints(text: str) -> list[int]:
@@ -127,12 +146,8 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
       ['all-reduce']
     """
     bodies = set(_WHILE_BODY.findall(hlo_text))
-    found, computation = [], ""
-    for line in hlo_text.splitlines():
-        header = COMPUTATION_HEADER.match(line)
-        if header:
-            computation = header.group(1)
-            continue
+    found = []
+    for computation, line in computation_lines(hlo_text):
         instr = _INSTR.match(line)
         if not instr or instr.group(2) + "-done" in line:
             continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jshard._report.hlo import COMPUTATION_HEADER
+from jshard._report.hlo import computation_lines
 
 _LINE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _OP = re.compile(r"[\s}\]\)]([a-z][\w\-]*)\((.*)$")  # the opcode: the first name( after the type
@@ -38,17 +38,11 @@ class ScheduledGather:
 def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str]]]:
     """``computation -> [(instruction, opcode, rest of line)]`` in schedule order."""
     out: dict[str, list[tuple[str, str, str]]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        header = COMPUTATION_HEADER.match(line)
-        if header:
-            current = out.setdefault(header.group(1), [])
-            continue
+    for computation, line in computation_lines(hlo_text):
         instr = _LINE.match(line)
-        if current is not None and instr:
-            op = _OP.search(instr.group(2))
-            if op:
-                current.append((instr.group(1), op.group(1), op.group(2)))
+        op = _OP.search(instr.group(2)) if instr and computation else None
+        if op:
+            out.setdefault(computation, []).append((instr.group(1), op.group(1), op.group(2)))
     return out
 
 

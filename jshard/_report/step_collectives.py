@@ -250,12 +250,8 @@ def data_center_bytes(hlo_text: str) -> float:
     """Bytes each device sends across TPU slices per step: a multi-slice program's collectives
     between slices are ``send`` ops to XLA:TPU's megascale runtime (loop trip counts included)."""
     counts = loop_counts(hlo_text)
-    total, current = 0.0, ""
-    for line in hlo_text.splitlines():
-        header = hlo.COMPUTATION_HEADER.match(line)
-        if header:
-            current = header.group(1)
-            continue
+    total = 0.0
+    for current, line in hlo.computation_lines(hlo_text):
         send = _MEGASCALE_SEND.match(line)
         if send:
             size = math.prod(int(d) for d in send.group(2).split(",") if d)
