@@ -16,21 +16,14 @@ rows. The padding costs the extra rows (1.5% for ``[4096, 4096]``); elsewhere no
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
-import re
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
+from jshard._sharding.compiler_probe import compiled_scatter
 from jshard._sharding.torus import phase_groups
-
-# Probes compile in a thread of their own: the caller is usually tracing a step (inside
-# ``shard_map``), whose context mesh a separate program must not see.
-_PROBES = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jshard-scatter-probe")
-_SHAPE = re.compile(r"=\s*\(?\w+\[([\d,]*)\]")
 
 
 def scatter_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int, ...], shape: tuple[int, ...],
@@ -59,32 +52,8 @@ def scatter_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int, .
 @functools.cache
 def _native_size(mesh: Mesh, axes: tuple[str, ...], groups, n: int, shape: tuple[int, ...], dtype: str,
                  dim: int) -> int:
-    return _PROBES.submit(_ask, mesh, axes, groups, n, shape, dtype, dim).result()
-
-
-def _ask(mesh, axes, groups, n, shape, dtype, dim) -> int:
-    padded = _all_reduced_size(mesh, axes, groups, shape, dtype, dim)
-    if padded is None or padded <= shape[dim] or padded % n:
+    kind, padded = compiled_scatter(mesh, axes, groups, shape, dtype, dim)
+    if kind == "reduce-scatter" or padded is None or padded <= shape[dim] or padded % n:
         return shape[dim]
     wider = shape[:dim] + (padded,) + shape[dim + 1 :]
-    return padded if _all_reduced_size(mesh, axes, groups, wider, dtype, dim) is None else shape[dim]
-
-
-def _all_reduced_size(mesh, axes, groups, shape, dtype, dim) -> int | None:
-    """``None`` if the compiled reduce-scatter is native; else the size of ``dim`` in the
-    all-reduce XLA made of it."""
-
-    def scatter(g):
-        groups_ = None if groups is None else [list(g_) for g_ in groups]
-        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups_)
-
-    f = jax.shard_map(scatter, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(axes), check_vma=False)
-    text = jax.jit(f).lower(jax.ShapeDtypeStruct(shape, np.dtype(dtype))).compile().as_text()
-    lines = [line for line in text.splitlines() if re.search(r" (reduce-scatter|all-reduce)(-start)?\(", line)]
-    if not lines or any(re.search(r" reduce-scatter(-start)?\(", line) for line in lines):
-        return None
-    m = _SHAPE.search(lines[0])
-    dims = tuple(int(d) for d in m.group(1).split(",")) if m and m.group(1) else ()
-    if len(dims) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(dims, shape, strict=True)) if i != dim):
-        return None
-    return dims[dim]
+    return padded if compiled_scatter(mesh, axes, groups, wider, dtype, dim)[0] == "reduce-scatter" else shape[dim]
