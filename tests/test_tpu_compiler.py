@@ -6,6 +6,7 @@ installed jax's version), so these run in the default suite.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -117,31 +118,34 @@ def test_v5p_reduces_gradients_in_torus_phases():
     assert p.report.collective_bytes["reduce-scatter"] == pytest.approx(grads * 7 / 8)
 
 
-def _wide_builder(mesh, config=None):
-    """Two unrolled 4096-wide tanh layers (64 MiB gradients) and a head, abstract."""
+def _wide_builder(mesh, config=None, unit_collectives=False):
+    """A 4096-wide layer of two matrices (64 MiB gradients each) and a head, abstract."""
     sds = jax.ShapeDtypeStruct
-    layers = [js.fully_shard({"w": sds((4096, 4096), jnp.float32)}, mesh) for _ in range(2)]
-    params = js.fully_shard({"layers": layers, "head": sds((4096, 128), jnp.float32)}, mesh)
+    policy = js.FullyShardPolicy(unit_collectives=unit_collectives)
+    layer = js.fully_shard({"w": sds((4096, 4096), jnp.float32), "v": sds((4096, 4096), jnp.float32)}, mesh, policy)
+    params = js.fully_shard({"layer": layer, "head": sds((4096, 128), jnp.float32)}, mesh)
 
     def loss_fn(p, x):
-        for layer in p["layers"]:
-            x = jnp.tanh(x @ js.unshard(layer)["w"])
+        layer = js.unshard(p["layer"])
+        x = jnp.tanh(x @ layer["w"]) @ layer["v"]
         return jnp.mean((x @ js.unshard(p)["head"]) ** 2)
 
     step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False), donate_argnums=0)
     return step, (params, sds((64, 4096), jnp.float32))
 
 
-def test_large_gradients_are_padded_to_the_size_xla_tpu_reduce_scatters_natively():
+@pytest.mark.parametrize("unit_collectives", [False, True])
+def test_large_gradients_are_padded_to_the_size_xla_tpu_reduce_scatters_natively(unit_collectives):
     """[Note: scatter padding]: XLA:TPU makes a large reduce-scatter an all-reduce of a padded
     gradient (float32 [8192, 4096] over 8 v6e chips: [8512, 4096]) unless it has that size;
     jshard pads each chunk to the size the compiler names, so a v5p step with such gradients
     sends reduce-scatters at the ring bytes and no all-reduce (measured before: 199.5 MiB of
-    all-reduce, 17.75 of reduce-scatter; peak 147.53 MiB, now 147.91)."""
+    all-reduce, 17.75 of reduce-scatter; peak 147.53 MiB, now 147.91). A unit's flat buffer
+    (``unit_collectives``) is scattered as 1024-wide tiles for the same reason."""
     mesh = jax.make_mesh((8,), ("fsdp",), devices=_tpu("v6e:2x4"))
     assert scatter_sizes(mesh, ("fsdp",), (), (8192, 4096), np.dtype("float32"), 0) == (8512,)
     assert scatter_sizes(mesh, ("fsdp",), (), (4096, 4096), np.dtype("float32"), 0) == (4096,)  # 8 MiB shards
-    p = plan(_wide_builder, target="tpu:v5p:2x2x2")
+    p = plan(functools.partial(_wide_builder, unit_collectives=unit_collectives), target="tpu:v5p:2x2x2")
     sent = p.report.collective_bytes
     grads = 2 * 4096 * 4096 * 4 + 4096 * 128 * 4
     assert sent["all-reduce"] <= 64  # the loss's scalar alone

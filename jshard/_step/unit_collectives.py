@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import pad
+from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm
 from jshard._step.offload import to_device, to_host
@@ -75,7 +76,7 @@ def _reduce(comms: Sequence[LeafComm], grads: Sequence[jax.Array]) -> list[jax.A
     flat = jnp.concatenate(pieces, axis=1)
     if pre != 1:
         flat = flat / pre
-    mine = C.reduce_scatter(flat, comm0.axes.shard, 0, comm0.scatter_phases)[0]  # (S,): one collective (a phase each)
+    mine = _scatter_rows(comm0, flat)  # (S,): one collective (a phase each)
     if not comm0.skip_all_reduce:
         mine = (comm0.policy.all_reduce_hook or C.all_reduce)(mine, comm0.axes.replicate)
     mine = mine / post
@@ -105,3 +106,19 @@ def _bwd(comms, _, grads):
 
 
 gather_unit.defvjp(_fwd, _bwd)
+
+
+def _scatter_rows(comm0: LeafComm, flat: jax.Array) -> jax.Array:
+    """Reduce-scatter the ``(N, S)`` buffer to this device's row, as ``(N * S / 1024, 1024)`` tiles
+    where XLA:TPU is asked which size it scatters natively ([Note: scatter padding]: it makes
+    a large buffer an all-reduce otherwise, and asks nothing of a one-dimensional one)."""
+    axes, phases = comm0.axes, comm0.scatter_phases
+    if axes.tpu_mesh is None:
+        return C.reduce_scatter(flat, axes.shard, 0, phases)[0]
+    n, size = flat.shape
+    width = 1024
+    rows = -(-size // width)
+    tiles = jnp.pad(flat, ((0, 0), (0, rows * width - size))).reshape(n * rows, width)
+    sizes = scatter_sizes(axes.tpu_mesh, axes.shard, phases, tiles.shape, tiles.dtype, 0)
+    return C.reduce_scatter(tiles, axes.shard, 0, phases, sizes).reshape(-1)[:size]
+
