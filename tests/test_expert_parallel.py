@@ -168,6 +168,8 @@ def test_checkpoint_round_trip_onto_another_expert_degree(tmp_path):
     saved_params = _sharded(_params(), _mesh(2))
     grads = jax.tree.map(lambda x: x * 0.5, saved_params)
     _, state = tx.update(grads, tx.init(saved_params), saved_params)
+    for trace, param in zip(jax.tree.leaves(state[0].trace), jax.tree.leaves(saved_params), strict=True):
+        assert trace.sharding == param.sharding  # each state leaf on its own unit's axes
     saved = {"params": saved_params, "opt_state": state}
     with CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, saved)
