@@ -46,10 +46,10 @@ def _batch() -> dict:
             "y": rng.normal(size=(TOKENS, D_OUT)).astype(np.float32)}
 
 
-def _sharded(params: dict, mesh: Mesh):
+def _sharded(params: dict, mesh: Mesh, unit_collectives: bool = False):
     experts = params["experts"]
     split = {name: jax.device_put(experts[name], NamedSharding(mesh, P("expert"))) for name in ("w1", "w2")}
-    on_data = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard="data"))
+    on_data = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard="data"), unit_collectives=unit_collectives)
     unit = js.fully_shard({**split, "scale": experts["scale"]}, mesh, on_data)
     dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("data", "expert")))
     return js.fully_shard({**{k: v for k, v in params.items() if k != "experts"}, "experts": unit}, mesh, dense)
@@ -131,6 +131,16 @@ def test_moe_step_reduces_each_unit_over_its_own_axes():
     assert by_size == {2: 3, 8: 3}, [(c.shapes, c.replica_groups) for c in scatters]
     assert sizes["all-to-all"] == [4]
     assert 4 in sizes["all-reduce"]
+
+
+def test_unit_buffer_keeps_leaves_reduced_over_different_axes_apart():
+    """With ``unit_collectives``, `scale` (all-reduced over `expert` too) shares no buffer with
+    `w1` and `w2` (reduced over `data` only)."""
+    params, batch = _params(), _batch()
+    want = jax.jit(jax.grad(_loss))(params, batch)
+    sharded = _sharded(params, _mesh(2), unit_collectives=True)
+    _, grads = jax.jit(js.value_and_grad(lambda p, b: _loss(p, b, "expert")))(sharded, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), js.unshard(grads), want)
 
 
 def test_global_norm_clipping_is_exact_across_units_on_different_axes():
