@@ -201,3 +201,14 @@ def test_checkpoint_round_trip_onto_another_expert_degree(tmp_path):
     assert restored["params"]["experts"]["w1"].sharding == like_params["experts"]["w1"].sharding
     got, want = full_state_dict(restored), full_state_dict(saved)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_leaf_split_over_a_step_axis_on_its_fsdp_dim_is_refused():
+    mesh = _mesh(2)
+    bias = jax.device_put(np.zeros(8, np.float32), NamedSharding(mesh, P("expert")))  # FSDP can only split dim 0 too
+    on_data = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard="data"))
+    root = js.fully_shard({"bias": js.fully_shard(bias, mesh, on_data), "w": np.ones((8, 3), np.float32)}, mesh,
+                          js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("data", "expert"))))
+    with pytest.raises(ValueError, match=r"Leaf \['bias'\] of shape \(8,\) is split over mesh axes \('expert',\) "
+                                         r"\(size 4\) on its FSDP placement dim 0.*`shard_placement_fn`"):
+        js.value_and_grad(lambda p, b: 0.0)(root, _batch())
