@@ -163,7 +163,8 @@ def value_and_grad(
     ``loss_fn(params, batch, *args)`` returns the mean loss over the batch it sees (and
     aux when ``has_aux``). The returned ``grad_fn(sharded, batch, *args)`` runs it in a
     ``shard_map`` over the units' mesh, with ``batch`` split along dim 0 over every
-    data-parallel device, and returns ``(loss or (loss, aux), grads)``: the mean loss
+    data-parallel device (of every unit: units may shard over different axes of the mesh,
+    see docs/parallelism.md "Experts on their own axes"), and returns ``(loss or (loss, aux), grads)``: the mean loss
     over the global batch and its gradient, with exactly the layout of ``sharded``
     (padding rows zero), ready for ``optax``. Floating aux leaves are averaged over
     devices and microbatches, others summed. Ignored and integer leaves get zeros.
