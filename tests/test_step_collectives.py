@@ -163,3 +163,21 @@ def test_a_sliced_cast_transposed_weight_is_regathered_not_saved():
     # Measured: 4.8 MB; 14.0 MB when the derived bf16 weights of all layers are kept.
     bound = layers * width * width * 2 + 2 * width * (width + 8) * 4  # below "all derived + two gathered"
     assert compiled.memory_analysis().temp_size_in_bytes < bound
+
+
+@pytest.mark.parametrize("phases, sizes", [((), (96,)), ((2, 4), (72, 40)), ((2, 2, 2), (64, 36, 16))])
+def test_a_reduce_scatter_padded_to_the_compilers_size_keeps_each_devices_rows(phases, sizes):
+    """[Note: scatter padding]: each device's chunk is padded (not the end of the gradient), so
+    every device keeps exactly the rows of the unpadded reduce-scatter."""
+    mesh = js.make_mesh()
+    grads = jax.random.normal(jax.random.key(0), (8 * 64, 5))  # a different (64, 5) gradient per device
+
+    def both(g):
+        plain = js.collectives.reduce_scatter(g, ("fsdp",), 0, phases)
+        return plain, js.collectives.reduce_scatter(g, ("fsdp",), 0, phases, sizes)
+
+    f = jax.shard_map(both, mesh=mesh, in_specs=jax.P("fsdp"), out_specs=jax.P("fsdp"), check_vma=False)
+    plain, padded = f(jax.device_put(grads, jax.NamedSharding(mesh, jax.P("fsdp"))))
+    assert plain.shape == padded.shape == (64, 5)
+    assert jnp.allclose(plain, grads.reshape(8, 64, 5).sum(0), atol=1e-5)
+    assert jnp.array_equal(plain, padded)

@@ -86,7 +86,9 @@ class MeshAxes:
     explicit sharding (see docs/parallelism.md). ``scatter_phases``: how a gradient's
     reduce-scatter over the shard axes follows the TPU torus, one phase per dimension
     (``()``: one reduce-scatter; see [Note: torus phases] in ``torus.py``); ``gather_phases``
-    the same for a parameter's all-gather.
+    the same for a parameter's all-gather. ``tpu_mesh``: on TPU, the mesh whose compiler is
+    asked which gradient sizes it reduce-scatters natively (see [Note: scatter padding] in
+    ``scatter_padding.py``).
     """
 
     shard: tuple[str, ...]
@@ -96,6 +98,7 @@ class MeshAxes:
     model: tuple[tuple[str, int], ...] = ()
     scatter_phases: tuple[int, ...] = ()
     gather_phases: tuple[int, ...] = ()
+    tpu_mesh: Mesh | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -154,6 +157,7 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
         model=tuple((a, mesh.shape[a]) for a in names if a not in dims.shard + dims.replicate),
         scatter_phases=scatter_phases(mesh, dims.shard),
         gather_phases=gather_phases(mesh, dims.shard),
+        tpu_mesh=mesh if mesh.devices.flat[0].platform == "tpu" else None,
     )
 
 

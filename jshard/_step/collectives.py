@@ -43,12 +43,16 @@ def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int
     return x
 
 
-def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = ()) -> jax.Array:
+def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = (),
+                   sizes: Sequence[int] = ()) -> jax.Array:
     """Sum ``g`` over ``axes`` and keep this device's chunk of ``dim`` (tiled).
 
     ``phases`` (sizes whose product is the size of ``axes``, slowest first) splits it into one
     reduce-scatter per phase over the devices that differ in that digit of their index, with
     the same result: the TPU torus's dimensions (see [Note: torus phases] in ``torus.py``).
+    ``sizes`` (one per reduce-scatter, default ``g``'s): pad each device's chunk of ``dim`` so
+    that the scattered input has this size, and drop the padding from the result; the size
+    XLA:TPU scatters natively ([Note: scatter padding] in ``scatter_padding.py``).
 
     Example:
       >>> import jax, jax.numpy as jnp, jshard as js
@@ -62,10 +66,24 @@ def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = (
       (True, [0.0, 8.0, 16.0])
     """
     if len(phases) < 2:
-        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+        n = math.prod(jax.lax.axis_size(a) for a in axes) if sizes else 1
+        return _scatter_padded(g, axes, dim, None, n, sizes[:1])
     for k in range(len(phases)):
-        g = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=phase_groups(phases, k))
+        g = _scatter_padded(g, axes, dim, phase_groups(phases, k), phases[k], sizes[k : k + 1])
     return g
+
+
+def _scatter_padded(g: jax.Array, axes: Axes, dim: int, groups, n: int, size: Sequence[int]) -> jax.Array:
+    """One tiled reduce-scatter over ``n`` devices, each chunk padded so that ``dim`` has ``size``."""
+    rows = g.shape[dim]
+    if not size or size[0] == rows:
+        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
+    chunks = g.reshape(g.shape[:dim] + (n, rows // n) + g.shape[dim + 1 :])
+    widths = [(0, 0)] * chunks.ndim
+    widths[dim + 1] = (0, size[0] // n - rows // n)
+    wide = jnp.pad(chunks, widths).reshape(g.shape[:dim] + (size[0],) + g.shape[dim + 1 :])
+    out = jax.lax.psum_scatter(wide, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
+    return jax.lax.slice_in_dim(out, 0, rows // n, axis=dim)
 
 
 def all_reduce(g: jax.Array, axes: Axes) -> jax.Array:

@@ -20,6 +20,7 @@ from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import LeafLayout, memory_kind, pad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._sharding.step_axes import leaf_view
 from jshard._sharding.step_state import StepState
 from jshard._step import collectives as C
@@ -93,7 +94,9 @@ def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
     if layout.sharded:
         piece = model_piece(pad(g, layout), layout, comm.axes)
         if policy.custom_reduce_scatter is None:
-            g = C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.scatter_phases)
+            sizes = scatter_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases, piece.shape, piece.dtype,
+                                  layout.dim)
+            g = C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.scatter_phases, sizes)
         else:
             g = policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
     else:
