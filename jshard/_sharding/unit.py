@@ -236,15 +236,23 @@ def all_units(tree: Any) -> list[tuple[FSDPUnit, bool]]:
     return found
 
 
-def one_mesh(units: list[tuple[FSDPUnit, bool]], who: str) -> tuple[Mesh, MeshAxes]:
-    """The mesh and data-parallel axes all ``units`` share (the first unit's), or an error
-    that names both; ``who`` says what needs one mesh. The one home of that rule."""
-    mesh, axes = units[0][0].meta.mesh, units[0][0].meta.axes
+def one_mesh(units: list[tuple[FSDPUnit, bool]], who: str) -> Mesh:
+    """The mesh all ``units`` share, or an error that names both meshes; ``who`` says what
+    needs one mesh. The one home of that rule. Units may shard and replicate over different
+    axes of it ([Note: step axes] in ``step_axes.py``)."""
+    mesh = units[0][0].meta.mesh
     for unit, _ in units:
-        if (unit.meta.mesh, unit.meta.axes) != (mesh, axes):
+        if unit.meta.mesh != mesh:
             raise ValueError(
-                f"{who} must share a mesh and data-parallel axes, got units on different meshes: mesh "
-                f"{dict(unit.meta.mesh.shape)} with shard axes {unit.meta.axes.shard} beside {dict(mesh.shape)} "
-                f"with {axes.shard}; fully_shard every unit on the same mesh."
+                f"{who} must share a mesh, got units on different meshes: mesh {_describe(unit.meta.mesh)} "
+                f"beside mesh {_describe(mesh)}. Build one mesh with an axis for each kind of split (e.g. "
+                "jax.make_mesh((2, 4), ('data', 'expert'))), fully_shard every unit on that same mesh, and say "
+                "which axes each unit shards over with FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(...))."
             )
-    return mesh, axes
+    return mesh
+
+
+def _describe(mesh: Mesh) -> str:
+    devices = mesh.devices.flatten().tolist()
+    ids = [d.id for d in devices]
+    return f"{dict(mesh.shape)} over devices {ids}"

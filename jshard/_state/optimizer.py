@@ -41,15 +41,16 @@ from jshard._state.stored_leaves import strip_units
 
 @dataclasses.dataclass(frozen=True)
 class _Place:
-    """Where one stored leaf lives: its layout and memory kind (a leaf for tree utils)."""
+    """Where one stored leaf lives: its layout, its unit's axes and memory kind (a leaf for
+    tree utils). Units may shard over different axes of the one mesh ([Note: step axes])."""
 
     layout: LeafLayout
     kind: str | None
+    axes: MeshAxes = MeshAxes((), (), 1, 1)  # outside every unit: replicated
 
 
 class _Target(NamedTuple):
     mesh: Mesh
-    axes: MeshAxes
 
 
 def _common_target(tree: Any, name: str) -> _Target:
@@ -59,7 +60,7 @@ def _common_target(tree: Any, name: str) -> _Target:
             f"shard_optimizer got `{name}` without any FSDPUnit: it runs on trees made by js.fully_shard; "
             "for plain arrays use the Optax transformation directly."
         )
-    mesh, axes = one_mesh(units, f"The units shard_optimizer gets in `{name}`")
+    mesh = one_mesh(units, f"The units shard_optimizer gets in `{name}`")
 
     for path, leaf in jax.tree.flatten_with_path(tree, is_leaf=is_unit)[0]:
         if not is_unit(leaf):
@@ -67,7 +68,7 @@ def _common_target(tree: Any, name: str) -> _Target:
                 f"Leaf {jax.tree_util.keystr(path)} of shape {tuple(np.shape(leaf))} in `{name}` belongs to no "
                 "unit; apply js.fully_shard to the root of the parameters (it keeps existing units)."
             )
-    return _Target(mesh, axes)
+    return _Target(mesh)
 
 
 def _places(tree: Any) -> list[_Place]:
@@ -76,7 +77,7 @@ def _places(tree: Any) -> list[_Place]:
     def place(meta, layout, x):
         if layout is None:
             return _Place(replicated_layout(x), None)
-        return _Place(layout, memory_kind(layout, meta.policy))
+        return _Place(layout, memory_kind(layout, meta.policy), meta.axes)
 
     return jax.tree.leaves(map_unit_leaves(place, tree))
 
@@ -86,7 +87,7 @@ def _auto_mesh(mesh: Mesh) -> Mesh:
 
 
 def _sharding(target: _Target, place: _Place, mesh: Mesh | None = None) -> NamedSharding:
-    spec = partition_spec(place.layout, target.axes)
+    spec = partition_spec(place.layout, place.axes)
     return NamedSharding(target.mesh if mesh is None else mesh, spec, memory_kind=place.kind)
 
 
@@ -243,7 +244,7 @@ def shard_optimizer(tx: optax.GradientTransformation, *, min_size_to_shard: int 
 
     def stored(params: Any, target: _Target) -> Any:
         abstract = jax.eval_shape(init_on_view, strip_units(_abstract_view(params)))
-        return stored_state(abstract, params, target.axes.shard_size, min_size_to_shard)
+        return stored_state(abstract, params, min_size_to_shard)
 
     def init_on_view(view: Any) -> Any:
         try:

@@ -147,7 +147,7 @@ def _owners(path: tuple, x: Any, anchors: dict, facts: dict[tuple, StoredLeaf]) 
     return owners
 
 
-def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> Any:
+def _with_units(subtree: Any, params: Any, min_size: int) -> Any:
     """A state subtree of the parameters' structure, inside the parameters' units."""
     leaves = iter(jax.tree.leaves(subtree))
 
@@ -159,7 +159,7 @@ def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> An
                 layouts.append(None)
                 continue
             x = next(leaves)
-            own = _own_layout(layout, x, shard_size, min_size)
+            own = _own_layout(layout, x, p.meta.axes.shard_size, min_size)
             entries.append(jax.ShapeDtypeStruct(own.padded_shape, x.dtype))
             layouts.append(own)
         return FSDPUnit(p.with_entries(entries), dataclasses.replace(p.meta, layouts=tuple(layouts)))
@@ -167,7 +167,7 @@ def _with_units(subtree: Any, params: Any, shard_size: int, min_size: int) -> An
     return jax.tree.map(rebuild, params, is_leaf=is_unit)
 
 
-def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: int) -> Any:
+def stored_state(abstract_state: Any, params: Any, min_size: int) -> Any:
     """The stored form of a state (abstract, of the unsharded structure; see the Note):
     copies of the parameters' whole tree inside the parameters' units, other leaves of a
     parameter as units of one leaf, the rest as they are (replicated)."""
@@ -176,7 +176,7 @@ def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: in
     anchors = _anchors(strip_units(params))
 
     def one_leaf_unit(record: StoredLeaf, x: Any) -> FSDPUnit:
-        layout = _own_layout(record.layout, x, shard_size, min_size)
+        layout = _own_layout(record.layout, x, record.meta.axes.shard_size, min_size)
         meta = dataclasses.replace(record.meta, layouts=(layout,))
         return FSDPUnit(jax.ShapeDtypeStruct(layout.padded_shape, x.dtype), meta)
 
@@ -190,7 +190,7 @@ def stored_state(abstract_state: Any, params: Any, shard_size: int, min_size: in
             node, children = _one_level(x)
             return jax.tree.unflatten(node, [store(path + (key,), child) for key, child in children])
         if jax.tree.structure(x) == plain:
-            return _with_units(x, params, shard_size, min_size)
+            return _with_units(x, params, min_size)
         return jax.tree_util.tree_map_with_path(lambda p, leaf: one_leaf_unit(owners[path + p], leaf), x)
 
     return store((), abstract_state)

@@ -21,6 +21,7 @@ from jshard._sharding.layout import LeafLayout, memory_kind, pad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.scatter_padding import scatter_sizes
+from jshard._sharding.step_axes import leaf_view
 from jshard._sharding.step_state import StepState
 from jshard._step import collectives as C
 from jshard._step.model_manual import interleave_model, model_manual, model_piece
@@ -195,8 +196,10 @@ def leaf_comm(
     layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, step: StepState, in_loop: bool = False,
     phased: bool = True,
 ) -> LeafComm:
-    """``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases])."""
-    factor = policy.gradient_divide_factor or axes.data_parallel_size
+    """The leaf as the step sees it ([Note: step axes]), divided by the step's whole batch split;
+    ``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases])."""
+    layout, axes = leaf_view(layout, axes, step.axes)
+    factor = policy.gradient_divide_factor or step.axes.data_parallel_size
     phases = axes.scatter_phases if phased else ()
     return LeafComm(layout, axes, policy, float(factor), step.skip_all_reduce, in_loop, phases)
 

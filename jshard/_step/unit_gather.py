@@ -50,7 +50,8 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
             comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, step, in_loop=layer,
                              phased=phased)
             if joins_unit_buffer(comm, raf):
-                together.setdefault((comm.param_dtype, comm.reduce_dtype, comm.offloaded), []).append((i, comm))
+                key = (comm.param_dtype, comm.reduce_dtype, comm.offloaded, comm.axes)  # one buffer: one collective
+                together.setdefault(key, []).append((i, comm))
             else:
                 out[i] = gather_leaf(comm, entries[i], raf)
     for group in together.values():

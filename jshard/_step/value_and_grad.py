@@ -11,9 +11,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jshard._sharding.dtypes import is_floating
-from jshard._sharding.layout import manual_spec, memory_kind, named_sharding
+from jshard._sharding.layout import memory_kind, named_sharding
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import axes_of_type, only_axes
+from jshard._sharding.step_axes import batch_axes, check_leaf, leaf_view, step_spec
 from jshard._sharding.step_state import IdentityMap, StepState, UnitStep, stepping
 from jshard._sharding.unit import FSDPUnit, all_units, is_unit, map_unit_leaves, one_mesh
 from jshard._step import collectives as C
@@ -31,16 +32,20 @@ def _check_units(sharded: Any) -> tuple[list[tuple[FSDPUnit, bool]], MeshAxes]:
         raise ValueError(
             "The grad function got no FSDPUnit in `sharded`: pass the output of js.fully_shard."
         )
-    _, axes = one_mesh(units, "Units of one step")
+    mesh = one_mesh(units, "Units of one step")
+    axes = batch_axes(mesh, [unit.meta.axes for unit, _ in units])
+    paths = iter(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(sharded)[0])
 
-    def outside(meta, layout, x):
+    def check(meta, layout, x):
+        path = next(paths)
         if layout is None:
             raise ValueError(
-                f"A leaf of shape {getattr(x, 'shape', None)} in `sharded` belongs to no unit: "
+                f"Leaf {path} of shape {getattr(x, 'shape', None)} in `sharded` belongs to no unit: "
                 "apply js.fully_shard to the root of the parameters (it keeps existing units)."
             )
+        check_leaf(path, layout, meta.axes, axes)
 
-    map_unit_leaves(outside, sharded)
+    map_unit_leaves(check, sharded)
     return units, axes
 
 
@@ -71,7 +76,7 @@ def _batch_specs(batch: Any, axes: MeshAxes, microbatches: int) -> Any:
 
 
 def _param_specs(sharded: Any, axes: MeshAxes) -> Any:
-    return map_unit_leaves(lambda meta, layout, x: manual_spec(layout, axes), sharded)
+    return map_unit_leaves(lambda meta, layout, x: step_spec(layout, meta.axes, axes), sharded)
 
 
 def _param_shardings(sharded: Any) -> Any:
@@ -158,7 +163,8 @@ def value_and_grad(
     ``loss_fn(params, batch, *args)`` returns the mean loss over the batch it sees (and
     aux when ``has_aux``). The returned ``grad_fn(sharded, batch, *args)`` runs it in a
     ``shard_map`` over the units' mesh, with ``batch`` split along dim 0 over every
-    data-parallel device, and returns ``(loss or (loss, aux), grads)``: the mean loss
+    data-parallel device (of every unit: units may shard over different axes of the mesh,
+    see docs/parallelism.md "Experts on their own axes"), and returns ``(loss or (loss, aux), grads)``: the mean loss
     over the global batch and its gradient, with exactly the layout of ``sharded``
     (padding rows zero), ready for ``optax``. Floating aux leaves are averaged over
     devices and microbatches, others summed. Ignored and integer leaves get zeros.
@@ -294,7 +300,8 @@ def _all_reduce_replicas(params: Any, grads: Any, step: StepState) -> Any:
             return g
         hook = meta.policy.all_reduce_hook or C.all_reduce
         offloaded = memory_kind(layout, meta.policy) is not None  # reduced on device, kept on host
-        reduce_over_replicas = model_manual(layout, step.axes, lambda v: hook(v, step.axes.replicate), False, False)
+        view, axes = leaf_view(layout, meta.axes, step.axes)
+        reduce_over_replicas = model_manual(view, axes, lambda v: hook(v, axes.replicate), False, False)
         return to_host(reduce_over_replicas(to_device(g, offloaded)), offloaded)
 
     return map_unit_leaves(reduce, params, grads)
