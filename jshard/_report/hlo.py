@@ -44,6 +44,21 @@ def computation_lines(hlo_text: str) -> Iterator[tuple[str, str]]:
             yield current, line
 
 
+def entry_computation(hlo_text: str) -> str:
+    r"""The name of a program's ``ENTRY`` computation (``""`` if it has none).
+
+    Example:
+      >>> from jshard._report.hlo import entry_computation
+      >>> entry_computation("%f (x: f32[]) -> f32[] {\n}\nENTRY %main (p: f32[2]) -> f32[2] {\n}")
+      'main'
+    """
+    for line in hlo_text.splitlines():
+        header = COMPUTATION_HEADER.match(line)
+        if header and line.startswith("ENTRY"):
+            return header.group(1)
+    return ""
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 

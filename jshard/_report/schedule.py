@@ -46,18 +46,21 @@ def _computations(hlo_text: str) -> dict[str, list[tuple[str, str, str]]]:
     return out
 
 
-def _holds(comps: dict, name: str, ops: tuple[str, ...], seen: frozenset = frozenset()) -> bool:
-    """Whether computation ``name`` (or one it calls) has an instruction of ``ops``."""
-    for _, op, rest in comps.get(name, []):
-        if op in ops:
-            return True
-        if any(c not in seen and _holds(comps, c, ops, seen | {name}) for c in _CALLS.findall(rest)):
-            return True
-    return False
+def _holding(comps: dict, ops: tuple[str, ...]) -> set[str]:
+    """The computations that have an instruction of ``ops``, or call one that does (computed
+    once per program: a fixpoint over the call graph)."""
+    calls = {name: {c for _, _, rest in instrs for c in _CALLS.findall(rest)} for name, instrs in comps.items()}
+    found = {name for name, instrs in comps.items() if any(op in ops for _, op, _ in instrs)}
+    grew = True
+    while grew:
+        more = {name for name, callees in calls.items() if name not in found and callees & found}
+        found |= more
+        grew = bool(more)
+    return found
 
 
-def _calls_hold(comps: dict, rest: str, ops: tuple[str, ...]) -> bool:
-    return any(_holds(comps, c, ops) for c in _CALLS.findall(rest))
+def _calls_any(rest: str, holding: set[str]) -> bool:
+    return any(c in holding for c in _CALLS.findall(rest))
 
 
 def gather_schedule(hlo_text: str) -> list[ScheduledGather]:
@@ -78,6 +81,7 @@ def gather_schedule(hlo_text: str) -> list[ScheduledGather]:
     """
     comps = _computations(hlo_text)
     fused = {c for instrs in comps.values() for _, op, rest in instrs if op == "fusion" for c in _CALLS.findall(rest)}
+    gathering, multiplying = _holding(comps, ("all-gather",)), _holding(comps, _MATMUL_OPS)
     out = []
     for comp, instrs in comps.items():
         if comp in fused:  # a fusion's body is not scheduled itself: its gathers are counted where it runs
@@ -90,7 +94,7 @@ def gather_schedule(hlo_text: str) -> list[ScheduledGather]:
                 source[name] = source.get(operand, operand)
                 continue
             is_start = op == "all-gather-start" or (op == "fusion" and name.startswith("async-collective-start")
-                                                    and _calls_hold(comps, rest, ("all-gather",)))
+                                                    and _calls_any(rest, gathering))
             if is_start:
                 open_starts[name] = 0
             elif op == "all-gather-done" or (op == "fusion" and name.startswith("async-collective-done")):
@@ -100,7 +104,7 @@ def gather_schedule(hlo_text: str) -> list[ScheduledGather]:
             elif op == "all-gather":
                 out.append(ScheduledGather(name, comp, False, 0))
             else:
-                if op in _MATMUL_OPS or (op == "fusion" and _calls_hold(comps, rest, _MATMUL_OPS)):
+                if op in _MATMUL_OPS or (op == "fusion" and _calls_any(rest, multiplying)):
                     for s in open_starts:
                         open_starts[s] += 1
                 carried = [source.get(o, o) for o in _OPERAND.findall(rest) if source.get(o, o) in open_starts]

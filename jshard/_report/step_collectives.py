@@ -67,18 +67,14 @@ def _condition_bounds(hlo_text: str) -> dict[str, int]:
     ``while (i < N)`` with ``i`` from 0, so ``N`` is its trip count.
     """
     bounds: dict[str, int] = {}
-    current, constants = "", {}
-    for line in hlo_text.splitlines():
-        header = hlo.COMPUTATION_HEADER.match(line)
-        if header:
-            current, constants = header.group(1), {}
-            continue
+    constants: dict[str, dict[str, int]] = collections.defaultdict(dict)
+    for current, line in hlo.computation_lines(hlo_text):
         constant = _SCALAR_CONSTANT.match(line)
         if constant:
-            constants[constant.group(1)] = int(constant.group(2))
+            constants[current][constant.group(1)] = int(constant.group(2))
         root = _LESS_THAN.match(line)
-        if root and root.group(2) in constants:
-            bounds[current] = constants[root.group(2)]
+        if root and root.group(2) in constants[current]:
+            bounds[current] = constants[current][root.group(2)]
     return bounds
 
 
@@ -86,14 +82,8 @@ def _call_graph(hlo_text: str) -> tuple[dict[str, list[tuple[str, int | None, bo
     """``caller -> [(callee, trip count or None, is a loop body)]`` and the entry computation."""
     graph: dict[str, list[tuple[str, int | None, bool]]] = collections.defaultdict(list)
     bounds = _condition_bounds(hlo_text)
-    current, entry = "", ""
-    for line in hlo_text.splitlines():
-        header = hlo.COMPUTATION_HEADER.match(line)
-        if header:
-            current = header.group(1)
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
+    entry = hlo.entry_computation(hlo_text)
+    for current, line in hlo.computation_lines(hlo_text):
         trip = _TRIP.search(line)
         condition = _CONDITION.search(line)
         count = int(trip.group(1)) if trip else bounds.get(condition.group(1)) if condition else None
