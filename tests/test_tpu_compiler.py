@@ -26,7 +26,7 @@ import jshard as js
 from jshard._sharding.mesh import slice_of
 from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._sharding.torus import gather_phases, scatter_phases
-from jshard.report import CompileTarget, PlanConfig, plan, step_collectives
+from jshard.report import CompileTarget, PlanConfig, plan, scaling, step_collectives
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -227,9 +227,10 @@ def test_the_tpu_planning_commands_of_docs_planning_run(capsys):
     block = re.search(r"<!-- tpu-planning-commands -->\s*```bash\n(.*?)```", text, re.S).group(1)
     small = {"tpu:v5p-256": "tpu:v5p-8", "tpu:v6e:16x16": "tpu:v6e:2x2"}
     commands = [line.split("#")[0].split() for line in block.splitlines() if "jshard.report" in line]
-    assert len(commands) == 3
+    assert len(commands) == 4
     for words in commands:
         argv = [small.get(w, w).replace("pkg.module:build", "test_tpu_compiler:_mlp_builder") for w in words[3:]]
+        argv = ["4" if w == "8,16,32,64,128" else w for w in argv]  # scaling: the small target's one size
         if argv[0] == "frontier":
             argv += ["--batches", "1", "--remats", "default", "--reshard-after-forward", "true",
                      "--mixed-precision", "true"]
@@ -238,6 +239,16 @@ def test_the_tpu_planning_commands_of_docs_planning_run(capsys):
         assert "compiled for tpu" in out or "frontier" in out, shlex.join(argv)
         if "--slices" in argv:
             assert "between slices (data-center network)" in out
+
+
+def test_scaling_on_a_tpu_target_plans_a_slice_of_its_generation_per_size():
+    """`scaling --target tpu:...`: each size is a slice of the target's generation up to its size."""
+    s = scaling(_mlp_builder, (4, 8, 16), target=CompileTarget.parse("tpu:v5e-8"))
+    assert s.devices == [4, 8] and [p.platform for p in s.plans] == ["tpu", "tpu"]
+    assert s.plans[0].report.memory.argument > s.plans[1].report.memory.argument
+    assert CompileTarget.parse("tpu:v5p-256").resized(16).topology == "v5p:2x2x4"
+    with pytest.raises(ValueError, match=r"No v6e slice has 12 chips"):
+        CompileTarget.parse("tpu:v6e-16").resized(12)
 
 
 def test_v5p_gathers_in_torus_phases_where_one_all_gather_would_be_an_all_reduce():

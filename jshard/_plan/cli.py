@@ -143,11 +143,8 @@ def main(argv: list[str] | None = None) -> None:
             result = _frontier(args)
             print(json.dumps(frontier_to_dict(result)) if args.json else result)
         else:
-            if args.compile_target is not None:
-                raise ValueError("scaling plans on simulated CPU devices (N varies); plan a TPU topology "
-                                 "size by size with `plan --target tpu:<generation>-<size>`.")
             result = scaling(_target(args), args.devices, replicate=args.replicate,
-                             tensor_parallel=args.tensor_parallel, config=_config(args))
+                             tensor_parallel=args.tensor_parallel, config=_config(args), target=_compiler(args))
             if args.png:
                 result.plot(args.png)
             print(json.dumps({"plans": [p.to_dict() for p in result.plans], "sharded": result.sharded,

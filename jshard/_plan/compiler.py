@@ -84,6 +84,22 @@ class CompileTarget:
         slices = f" x {self.slices} slices" if self.slices > 1 else ""
         return f"XLA:TPU {self.topology}{slices} ({self.devices} devices, compile only)"
 
+    def resized(self, devices: int) -> CompileTarget:
+        """The same TPU generation and slice count with ``devices`` chips in all.
+
+        Example:
+          >>> from jshard.report import CompileTarget
+          >>> CompileTarget.parse("tpu:v5p-256").resized(16).topology
+          'v5p:2x2x4'
+        """
+        kind = self.topology.split(":")[0]
+        torus = next(table for name, _, table in _GENERATIONS.values() if name == kind)
+        chips, rest = divmod(devices, self.slices)
+        if rest or chips not in torus:
+            raise ValueError(f"No {kind} slice has {devices // self.slices if not rest else devices} chips "
+                             f"({self.slices} slice(s)); chips per slice known here: {sorted(torus)}.")
+        return CompileTarget("tpu", devices, f"{kind}:{torus[chips]}", self.slices)
+
     def tpu_devices(self) -> list[Any]:
         """The target's TPU devices (compile only: nothing runs on them)."""
         return list(_topology_devices(self.topology, self.slices))

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from jshard._plan.compiler import CompileTarget
 from jshard._plan.planner import Plan, plan
 from jshard._plan.target import PlanConfig
 
@@ -36,7 +37,9 @@ class Scaling:
 
     def __str__(self) -> str:
         mib = 2.0**20
-        lines = [f"per-device memory of {self.plans[0].target} ({self.plans[0].config.describe()}) against N",
+        where = self.plans[0].platform
+        lines = [f"per-device memory of {self.plans[0].target} ({self.plans[0].config.describe()}) against N, "
+                 f"compiled for {where}",
                  f"  {'N':>6}{'arguments':>12}{'x N':>12}{'temp':>10}{'peak':>10}{'fit':>10}"
                  f"{'3 units':>10}{'all-gather/step':>17}   (MiB)"]
         for n, p in zip(self.devices, self.plans, strict=True):
@@ -75,8 +78,12 @@ class Scaling:
 
 
 def scaling(build: Callable[..., Any] | str, devices: Sequence[int] = (8, 16, 32, 64, 128, 256, 512, 1024), *,
-            replicate: int = 1, tensor_parallel: int = 1, config: PlanConfig | None = None) -> Scaling:
+            replicate: int = 1, tensor_parallel: int = 1, config: PlanConfig | None = None,
+            target: CompileTarget | None = None) -> Scaling:
     """Plan ``build`` at each mesh size and fit ``peak = sharded / N + constant``.
+
+    ``target``: a TPU :class:`CompileTarget` plans each size on a slice of its generation
+    (``devices`` counts chips, up to the target's), compiled by XLA:TPU; default simulated CPU.
 
     Example:
       >>> from jshard.report import scaling
@@ -84,8 +91,16 @@ def scaling(build: Callable[..., Any] | str, devices: Sequence[int] = (8, 16, 32
       >>> s.devices, s.plans[0].report.memory.argument > s.plans[1].report.memory.argument
       ([4, 8], True)
     """
-    plans = tuple(plan(build, devices=n, replicate=replicate, tensor_parallel=tensor_parallel, config=config)
-                  for n in devices)
+    if target is not None and target.platform == "tpu":
+        sizes = [n for n in devices if n <= target.devices]
+        if not sizes:
+            raise ValueError(f"No size of {list(devices)} fits the target's {target.devices} chips: "
+                             "give --devices up to the target's size.")
+        plans = tuple(plan(build, devices=n, replicate=replicate, tensor_parallel=tensor_parallel, config=config,
+                           target=target.resized(n)) for n in sizes)
+    else:
+        plans = tuple(plan(build, devices=n, replicate=replicate, tensor_parallel=tensor_parallel, config=config)
+                      for n in devices)
     n = np.array([math.prod(p.report.mesh.values()) for p in plans], float)
     peak = np.array([p.report.memory.peak for p in plans], float)
     sharded, constant = np.linalg.lstsq(np.stack([1 / n, np.ones_like(n)], 1), peak, rcond=None)[0]
