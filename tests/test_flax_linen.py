@@ -72,8 +72,14 @@ def sharded_model(cfg: Config, block_policy=None, root_policy=None) -> nn.Module
     return root(cfg, block=block, scan_block=block)
 
 
+@functools.cache
+def _jitted_init(cfg: Config):
+    return jax.jit(lambda key, tokens: Transformer(cfg).init(key, tokens)["params"])
+
+
 def init_params(cfg: Config):
-    return Transformer(cfg).init(jax.random.key(0), jnp.zeros((2, cfg.seq), jnp.int32))["params"]
+    """One compiled init per config (op by op, the init compiles dozens of small programs)."""
+    return _jitted_init(cfg)(jax.random.key(0), jnp.zeros((2, cfg.seq), jnp.int32))
 
 
 def make_loss(model):

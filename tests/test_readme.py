@@ -24,7 +24,7 @@ def test_readme_example_runs():
 
 # The README's test command, written here on its own: .ci/run and the README both read the
 # README, so comparing the two alone would pass whatever the README said.
-TEST_COMMAND = "python -m pip install -q '.[test]' && python -m pytest -q"
+TEST_COMMAND = "python -m pip install -q '.[test]' && python -m pytest -q -n 2 --dist loadfile"
 
 
 def test_ci_runs_the_readme_test_command(tmp_path):
