@@ -71,9 +71,13 @@ def per_layer(step: StepState, fn: Callable[..., Any], checkpoint: Callable[...,
     caller's lifted ``jax.checkpoint``: ``nnx.remat``, ``lift.checkpoint``) with the step's
     policy, so that the layer is re-gathered in its backward iteration rather than saved for
     every layer, and the user's activation policy reaches into the loop body ([Note: nested
-    remat]); as it is where the step gathered every unit up front.
+    remat]); as it is where the step gathered every unit up front. Without a CSE barrier
+    (``prevent_cse=False``): the loop already keeps a backward iteration's re-gather apart
+    from the forward's, and the barrier would pin the layer's residuals as JAX picked them
+    (v5p, the sweep's transformer, 4 stacked 128-wide blocks, batch 16, activations kept:
+    15.56 MiB with it, 15.40 without).
     """
-    return fn if step.pregathered else checkpoint(fn, policy=step.remat_policy)
+    return fn if step.pregathered else checkpoint(fn, policy=step.remat_policy, prevent_cse=False)
 
 
 def unshard_unit(unit: FSDPUnit, step: StepState) -> Any:
