@@ -260,10 +260,12 @@ def test_all_gathers_overlap_the_previous_layers_matmuls_under_the_async_collect
     XLA:TPU runs every all-gather synchronously; under MaxText's async-collective flags most
     run asynchronously with the previous layer's matmuls scheduled in flight (measured: 10 or 11
     of 15 per-leaf gathers, 6 of 8 per-unit ones, 1-2 matmuls each; the first layer's has
-    nothing to overlap and XLA overlaps one collective at a time)."""
+    nothing to overlap and XLA overlaps one collective at a time). Since the step's own policy
+    dropped the CSE barrier ([Note: unrolled units]) XLA:TPU merges more re-gathers with their
+    forward gathers: 13 per leaf (3 of 8 leaves kept gathered), 7 per unit."""
     plain = _gather_schedule("leaf", "")
-    assert len(plain) == 15 and not any(g["asynchronous"] for g in plain)
-    for per, gathers in (("leaf", 15), ("unit", 8)):
+    assert len(plain) == 13 and not any(g["asynchronous"] for g in plain)
+    for per, gathers in (("leaf", 13), ("unit", 7)):
         schedule = _gather_schedule(per, ASYNC_COLLECTIVE_FLAGS)
         overlapped = [g["matmuls_overlapped"] for g in schedule if g["asynchronous"]]
         assert len(schedule) == gathers and len(overlapped) > gathers / 2

@@ -24,7 +24,7 @@ from jshard._sharding.step_state import NOT_IN_STEP, StepState
 from jshard._sharding.torus import phases_pay_off
 from jshard._sharding.unit import FSDPUnit, UnitMeta
 from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm
-from jshard._step.remat import FREE, GATHER_START, SAVED, keeps_cse_barrier
+from jshard._step.remat import FREE, GATHER_START, SAVED
 from jshard._step.unit_collectives import gather_unit, joins_unit_buffer
 
 
@@ -71,15 +71,9 @@ def per_layer(step: StepState, fn: Callable[..., Any], checkpoint: Callable[...,
     caller's lifted ``jax.checkpoint``: ``nnx.remat``, ``lift.checkpoint``) with the step's
     policy, so that the layer is re-gathered in its backward iteration rather than saved for
     every layer, and the user's activation policy reaches into the loop body ([Note: nested
-    remat]); as it is where the step gathered every unit up front. Under jshard's own policy
-    without a CSE barrier (``remat.keeps_cse_barrier``): the loop keeps a backward iteration's
-    re-gather apart from the forward's, and the barrier would pin the layer's residuals as JAX
-    picked them (v5p, the sweep's transformer, 4 stacked 128-wide blocks, batch 16, activations
-    kept: 15.56 MiB with it, 15.40 without).
+    remat]); as it is where the step gathered every unit up front.
     """
-    if step.pregathered:
-        return fn
-    return checkpoint(fn, policy=step.remat_policy, prevent_cse=keeps_cse_barrier(step.remat_policy))
+    return fn if step.pregathered else checkpoint(fn, policy=step.remat_policy)
 
 
 def unshard_unit(unit: FSDPUnit, step: StepState) -> Any:
