@@ -182,6 +182,18 @@ def test_a_stacked_layer_of_one_large_leaf_keeps_the_in_place_all_reduce_on_v5p(
     assert recipe["jshard"] <= 1.01 * recipe["recipe"]
 
 
+def test_unrolled_transformer_blocks_keep_activations_as_plain_differentiation_on_v5p():
+    """[Note: residual rounding], [Note: unrolled units]: under jshard's own policy the step's
+    checkpoints leave residuals to XLA:TPU as plain differentiation does (no CSE barrier pinning
+    JAX's picks, no rounding keeping the qkv projection float32). Measured: 17.30 MiB against
+    the recipe's 17.77; 22.05 with the rounding, 36.59 with the barrier."""
+    from benchmarks import memory_sweep
+
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    peak = memory_sweep.measure(memory_sweep.Model("transformer", False, 4, 128, 64, remat=False), mesh)["peak_bytes"]
+    assert peak["jshard"] <= min(peak["recipe"], peak["constrained"])
+
+
 def test_make_mesh_puts_replicate_across_slices():
     devices = _tpu("v5p:2x2x2", slices=2)
     mesh = js.make_mesh(replicate=2, devices=devices)
@@ -309,10 +321,12 @@ def test_all_gathers_overlap_the_previous_layers_matmuls_under_the_async_collect
     XLA:TPU runs every all-gather synchronously; under MaxText's async-collective flags most
     run asynchronously with the previous layer's matmuls scheduled in flight (measured: 10 or 11
     of 15 per-leaf gathers, 6 of 8 per-unit ones, 1-2 matmuls each; the first layer's has
-    nothing to overlap and XLA overlaps one collective at a time)."""
+    nothing to overlap and XLA overlaps one collective at a time). Since the step's own policy
+    dropped the CSE barrier ([Note: unrolled units]) XLA:TPU merges more re-gathers with their
+    forward gathers: 13 per leaf (3 of 8 leaves kept gathered), 7 per unit."""
     plain = _gather_schedule("leaf", "")
-    assert len(plain) == 15 and not any(g["asynchronous"] for g in plain)
-    for per, gathers in (("leaf", 15), ("unit", 8)):
+    assert len(plain) == 13 and not any(g["asynchronous"] for g in plain)
+    for per, gathers in (("leaf", 13), ("unit", 7)):
         schedule = _gather_schedule(per, ASYNC_COLLECTIVE_FLAGS)
         overlapped = [g["matmuls_overlapped"] for g in schedule if g["asynchronous"]]
         assert len(schedule) == gathers and len(overlapped) > gathers / 2

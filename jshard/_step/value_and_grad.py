@@ -21,7 +21,9 @@ from jshard._step import collectives as C
 from jshard._step.gather import gather_leaf, leaf_comm, reduce_gradient
 from jshard._step.model_manual import manual_over_model_axes, model_manual
 from jshard._step.offload import to_device, to_host
+from jshard._step.remat import REMAT_POLICY
 from jshard._step.remat import remat_policy as remat_policy_of
+from jshard._step.residual_rounding import without_residual_rounding
 from jshard._step.segments import segmented
 from jshard._step.unit_gather import unshard_unit
 
@@ -262,19 +264,24 @@ def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, params
             grads = _reduce_deferred(params, full_grads, step)
         else:
             remat = segmented(loss_of, step.remat_policy, len(jax.tree.leaves(params)))
-            loss, aux, grads = _accumulate(remat, params, batch, microbatches)
+            loss, aux, grads = _accumulate(remat, params, batch, microbatches,
+                                           plain_residuals=step.remat_policy is REMAT_POLICY)
         if step.skip_all_reduce:
             grads = _all_reduce_replicas(params, grads, step)
         loss, aux = _over_devices(step.axes, loss, aux)
     return ((loss, aux) if has_aux else loss), grads
 
 
-def _accumulate(loss_of, params, batch, microbatches):
+def _accumulate(loss_of, params, batch, microbatches, plain_residuals=False):
+    """Loss, aux and gradients over the microbatches; ``plain_residuals``: the step's checkpoint is
+    jshard's own, whose residuals are stored as plain differentiation's ([Note: residual rounding])."""
     raw_grad_of = jax.value_and_grad(loss_of, has_aux=True, allow_int=True)
 
     def grad_of(p, mb):
         out, grads = raw_grad_of(p, mb)
         return out, _zero_untrainable(p, grads)
+    if plain_residuals:
+        grad_of = without_residual_rounding(grad_of)
     if microbatches == 1:
         (loss, aux), grads = grad_of(params, batch)
         return loss, aux, grads
