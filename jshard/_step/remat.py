@@ -170,17 +170,6 @@ def _policy(prim, *_, **params) -> bool:
 REMAT_POLICY = _policy
 
 
-def keeps_cse_barrier(policy: Any) -> bool:
-    """Whether an unrolled segment's checkpoint under ``policy`` keeps ``jax.checkpoint``'s CSE
-    barrier (``prevent_cse``). Under jshard's own policy it does not: that policy recomputes
-    gathers and layout ops only, which the segments' dependences keep apart from the forward,
-    and the barrier would pin every residual as JAX picked it ([Note: unrolled units]). Under a
-    ``remat_policy`` it does, as ``jax.checkpoint`` in the hand-written step: without it XLA
-    may merge a recomputed layer with its forward and keep the activations it should free.
-    """
-    return policy is not REMAT_POLICY
-
-
 def remat_policy(activations=None):
     """jshard's policy, combined with a ``jax.checkpoint`` policy for activations."""
     if activations is None:

@@ -28,17 +28,13 @@ The step therefore traces the loss to a jaxpr and cuts its top-level equations i
   cotangents, and the token cotangent it hands back waits for its backward (its incoming
   cotangent is the loss's constant 1, on which nothing can be made to wait).
 
-Under jshard's own policy the segment's checkpoint runs with ``prevent_cse=False``
-(``remat.keeps_cse_barrier``). ``jax.checkpoint`` otherwise passes the residuals through an
-``optimization_barrier`` in backward, which keeps a recomputation apart from its forward;
-that policy recomputes only gathers and layout ops, the dependences above already keep the
-re-gathers apart, and the barrier pins every residual JAX picked as a buffer of its own.
-XLA:TPU then cannot fold a GELU's elementwise intermediates back into the backward fusion
-that recomputes them from its input, as it does for plain differentiation (v5p 2x2x2, the
-sweep's transformer, 8 unrolled 256-wide blocks, batch 64, activations kept: six
-``f32[8,64,1024]`` residuals per block pinned; peak 156.8 MiB with the barrier, 97.9
-without). Under a ``remat_policy`` the barrier stays: without it XLA:TPU merged part of a
-recomputed block with its forward (8 x 256, batch 64, recomputed: 39.2 -> 46.4 MiB).
+The segment's checkpoint keeps ``jax.checkpoint``'s CSE barrier (``prevent_cse``) under every
+policy. Without it XLA:TPU merged backward re-gathers of unrolled units with their forward
+gathers, so gathered units stayed alive into backward and the memory bound failed (v5p 2x2x2,
+1024 -> 4096 GELU units, 8 rows per device: temporaries 25.9 MiB at 4 layers, 51.9 at 8; with
+the barrier 44.7 and 45.6). It costs unrolled blocks that keep activations the residuals the
+barrier pins (the sweep's transformer, 8 x 256, batch 64: 79.4 MiB without it, 156.0 with;
+the recipe 64.1).
 
 ``depend(x, sources)`` (``remat.py``) adds a zero read from one element of each source:
 ``e * 0`` where ``e`` is finite, else 0. It is exactly zero, never NaN, and XLA cannot
@@ -67,7 +63,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend, keeps_cse_barrier
+from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend
 
 
 def _is_start(eqn: Any) -> bool:
@@ -202,7 +198,7 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
 
     # [Note: recompute once]: a segment whose gathers are all checkpointed inside it (a stack's
     # scan) runs as it is; a checkpoint around it would recompute the whole scan.
-    checkpointed = (jax.checkpoint(run, policy=policy, prevent_cse=keeps_cse_barrier(policy))
+    checkpointed = (jax.checkpoint(run, policy=policy)
                     if _checkpoint_whole(seg.eqns, policy) else run)
 
     @jax.custom_vjp
