@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import jshard as js
 from flax import nnx
 
+import jshard as js
 from jshard.demo.moe import MoEConfig, _slots, lm_loss
 from jshard.demo.moe_train import expert_mesh, init_params, shard_mixtral, train_step
 
@@ -101,6 +100,19 @@ def test_mixtral_trains_like_one_device_in_fp32(data):
     w_down = sharded["blocks"][0]["moe"]["experts"]["w_down"]
     assert w_down.sharding.spec[0] == "expert" and "data" in w_down.sharding.spec
     assert w_down.addressable_shards[0].data.size * 8 > CFG.experts * CFG.hidden * CFG.dim  # padded: 17 rows over data
+
+
+@pytest.mark.parametrize("data", [2, 4])
+def test_gradients_equal_one_device(data):
+    """The first step's gradients (AdamW hides a wrong gradient scale from the losses)."""
+    graphdef, params = init_params(CFG)
+    want = jax.jit(jax.grad(lambda p, t: lm_loss(nnx.merge(graphdef, p), t)))(params, jnp.asarray(_tokens()))
+    cfg = dataclasses.replace(CFG, expert_axis="expert")
+    sharded_graphdef, _ = init_params(cfg)
+    sharded = shard_mixtral(params, expert_mesh(cfg.experts, expert_degree=8 // data))
+    grad_fn = js.value_and_grad(lambda p, t: lm_loss(nnx.merge(sharded_graphdef, p), t))
+    _, grads = jax.jit(grad_fn)(sharded, _tokens())
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), js.unshard(grads), want)
 
 
 def test_bf16_mixed_precision_stays_within_its_tolerance():
