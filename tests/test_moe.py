@@ -139,3 +139,56 @@ def test_config_and_mesh_errors_say_what_to_do():
         MoEConfig(experts=4, top_k=5)
     with pytest.raises(ValueError, match=r"Expert degree 3 must divide both the 8 devices and the 4 experts"):
         expert_mesh(4, expert_degree=3)
+
+
+def _per_device_bytes(leaf: np.ndarray, sharded: jax.Array, mesh) -> int:
+    """Analytic bytes of one device's shard: each dim of the original shape divided by the mesh
+    axes its spec names, rounded up (the padding fully_shard adds)."""
+    spec = tuple(sharded.sharding.spec) + (None,) * leaf.ndim
+    rows = []
+    for n, axes in zip(leaf.shape, spec, strict=False):
+        ways = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ())]))
+        rows.append(-(-n // ways))
+    return int(np.prod(rows)) * leaf.dtype.itemsize
+
+
+@pytest.mark.parametrize("data", [2, 4])
+def test_arguments_and_all_to_all_bytes_match_the_analytic_figures(data):
+    """From the compiled gradient step on CPU: arguments per device = expert weights / (M x FSDP) +
+    dense / 8 + padding + the batch shard; all-to-all bytes per device = local tokens x d x top-k x
+    capacity factor x 4 bytes, four per MoE layer (dispatch and return, forward and backward)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jshard._report.hlo import hlo_collectives
+
+    m = 8 // data
+    mesh = expert_mesh(CFG.experts, expert_degree=m)
+    cfg = dataclasses.replace(CFG, expert_axis="expert")
+    graphdef, params = init_params(cfg)
+    sharded = shard_mixtral(params, mesh)
+    tokens = jax.device_put(_tokens(), NamedSharding(mesh, P(("data", "expert"))))
+    grad_fn = js.value_and_grad(lambda p, t: lm_loss(nnx.merge(graphdef, p), t))
+    compiled = jax.jit(grad_fn).lower(sharded, tokens).compile()
+
+    leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
+    expert = [i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params)) if "'experts'" in str(path)]
+    expert_bytes = sum(leaves[i].nbytes for i in expert)
+    dense_bytes = sum(x.nbytes for x in leaves) - expert_bytes
+    unpadded = expert_bytes / (m * data) + dense_bytes / 8
+    analytic = sum(_per_device_bytes(x, s, mesh) for x, s in zip(leaves, jax.tree.leaves(sharded), strict=True))
+    batch_bytes = tokens.nbytes // 8
+    argument = compiled.memory_analysis().argument_size_in_bytes
+    print(f"arguments per device: {argument} B = {unpadded:.0f} unpadded + {analytic - unpadded:.0f} padding "
+          f"+ {batch_bytes} batch")
+    assert argument == analytic + batch_bytes
+    assert 0 < analytic - unpadded < 0.5 * unpadded  # f=17, d=10 over data 2 / 4 and dense over 8 pad a little
+
+    found = [c for c in hlo_collectives(compiled.as_text()) if c.kind == "all-to-all"]
+    local_tokens = BATCH // 8 * SEQ
+    per_exchange = local_tokens * CFG.dim * CFG.top_k * CFG.capacity_factor * 4
+    assert CFG.experts * CFG.capacity(SEQ) == SEQ * CFG.top_k * CFG.capacity_factor  # no rounding of C here
+    print(f"all-to-all: {len(found)} x {[c.bytes for c in found]} B, analytic {per_exchange:.0f} B each")
+    assert len(found) == 4 * CFG.layers
+    assert all(c.bytes == per_exchange and len(c.replica_groups.split("},{")[0].split(",")) == m for c in found)
+    assert sum(c.bytes for c in found) == 4 * CFG.layers * per_exchange
