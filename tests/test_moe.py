@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jshard as js
-from jshard.demo.moe import MoEConfig, _slots, lm_loss
+from jshard.demo.moe import MoEConfig, dispatch_slots, lm_loss
 from jshard.demo.moe_train import expert_mesh, init_params, shard_mixtral, train_step
 
 # d=10 and f=17: the data axis (2 or 4) divides neither, so fully_shard pads expert and dense leaves.
@@ -82,7 +82,7 @@ def test_the_batch_overflows_capacity_and_the_balancing_loss_moves_the_weights()
     x = jnp.asarray(params["embed"]["embedding"])[_tokens()[:, :-1]]
     probs = jax.nn.softmax(x @ model["blocks"][0]["moe"]["router"]["kernel"], axis=-1)
     gates, idx = jax.lax.top_k(probs, CFG.top_k)
-    dispatch, _ = _slots(jax.nn.one_hot(idx, CFG.experts), gates, CFG.capacity(SEQ))
+    dispatch, _ = dispatch_slots(jax.nn.one_hot(idx, CFG.experts), gates, CFG.capacity(SEQ))
     kept = float(dispatch.sum()) / (BATCH * SEQ * CFG.top_k)
     assert 0.5 < kept < 1.0, kept
     _, with_aux = _reference()
@@ -192,3 +192,14 @@ def test_arguments_and_all_to_all_bytes_match_the_analytic_figures(data):
     assert len(found) == 4 * CFG.layers
     assert all(c.bytes == per_exchange and len(c.replica_groups.split("},{")[0].split(",")) == m for c in found)
     assert sum(c.bytes for c in found) == 4 * CFG.layers * per_exchange
+
+
+def test_the_docs_moe_example_runs(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    code = re.search(r"<!-- moe-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    with jax.numpy_dtype_promotion("standard"):  # as users run it: optax's Adam needs JAX's default promotion
+        exec(compile(code, "docs/parallelism.md", "exec"), {"__name__": "docs_moe"})
+    assert capsys.readouterr().out.split("\n")[:2] == ["P('expert', 'data')", "True"]

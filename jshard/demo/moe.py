@@ -122,7 +122,7 @@ class MoE(nnx.Module):
         gates, idx = jax.lax.top_k(probs, cfg.top_k)  # (B, S, k)
         gates = gates / gates.sum(-1, keepdims=True)
         chosen = jax.nn.one_hot(idx, cfg.experts, dtype=jnp.float32)  # (B, S, k, E)
-        dispatch, combine = _slots(chosen, gates, cfg.capacity(s))  # (B, S, E, C) each
+        dispatch, combine = dispatch_slots(chosen, gates, cfg.capacity(s))  # (B, S, E, C) each
         xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(x.dtype), x)  # (B, E, C, d)
         ye = self._run_experts(xe)
         y = jnp.einsum("bsec,becd->bsd", combine.astype(ye.dtype), ye)
@@ -143,8 +143,18 @@ class MoE(nnx.Module):
         return ye
 
 
-def _slots(chosen: jax.Array, gates: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Capacity slots per sequence: first choices before second ones, then token order; overflow is dropped."""
+def dispatch_slots(chosen: jax.Array, gates: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Capacity slots per sequence: first choices before second ones, then token order; overflow is dropped.
+
+    ``chosen``: ``(B, S, k, E)`` one-hot choices, ``gates``: ``(B, S, k)``. Returns ``dispatch``
+    (1 where a token fills a slot) and ``combine`` (its gate there), each ``(B, S, E, C)``.
+
+    Example:
+      >>> chosen = jax.nn.one_hot(jnp.zeros((1, 3, 1), jnp.int32), 2)  # 3 tokens, all to expert 0
+      >>> dispatch, _ = dispatch_slots(chosen, jnp.ones((1, 3, 1)), capacity=2)
+      >>> dispatch.sum(axis=(2, 3)).tolist()  # the third token is dropped
+      [[1.0, 1.0, 0.0]]
+    """
     b, s, k, e = chosen.shape
     by_rank = chosen.transpose(0, 2, 1, 3).reshape(b, k * s, e).astype(jnp.int32)
     position = (jnp.cumsum(by_rank, axis=1) - 1).reshape(b, k, s, e).transpose(0, 2, 1, 3)

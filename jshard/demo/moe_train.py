@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -97,15 +97,14 @@ def train_step(graphdef: Any, optimizer: optax.GradientTransformation, *, sharde
 DEMO_SEQ_LEN = 32  # characters per sequence in the demo; the model is MoEConfig's defaults
 
 
-def train_demo(experts: int, steps: int, *, lr: float = 3e-3, seed: int = 0, batch: int | None = None) -> list[float]:
-    """``python -m jshard.demo --experts E``: the small MoE on the demo's text over all devices; returns the losses."""
-    from jshard.demo.train import Vocab, _batches, load_text
+def train_demo(experts: int, steps: int, vocab: int, batches: Callable[[int, int], Iterator[np.ndarray]], *,
+               lr: float = 3e-3, seed: int = 0, batch: int | None = None) -> list[float]:
+    """``python -m jshard.demo --experts E``: the small MoE over all devices; returns the losses.
 
-    text = load_text()
-    vocab = Vocab.of(text)
-    ids = np.asarray(vocab.encode(text), np.int32)
+    ``batches(batch, seq_len)`` yields ``(batch, seq_len + 1)`` token windows of the demo's text.
+    """
     mesh = expert_mesh(experts)
-    cfg = MoEConfig(vocab=8 * math.ceil(len(vocab.chars) / 8), experts=experts, expert_axis="expert")
+    cfg = MoEConfig(vocab=8 * math.ceil(vocab / 8), experts=experts, expert_axis="expert")
     graphdef, params = init_params(cfg, seed)
     sharded = shard_mixtral(params, mesh)
     tx = js.shard_optimizer(optax.adamw(lr))
@@ -113,14 +112,14 @@ def train_demo(experts: int, steps: int, *, lr: float = 3e-3, seed: int = 0, bat
     state = tx.init(sharded)
     batch = mesh.size * math.ceil((batch or 2 * mesh.size) / mesh.size)
     data = NamedSharding(mesh, P(("data", "expert")))
-    batches = _batches(ids, batch, DEMO_SEQ_LEN, seed)
+    windows = batches(batch, DEMO_SEQ_LEN)
     count = sum(x.size for x in jax.tree.leaves(params))
     print(f"jshard demo: {count / 1e6:.2f}M-parameter Mixtral-style MoE, {experts} experts (top-{cfg.top_k}), "
           f"{mesh.size} {jax.devices()[0].platform.upper()} devices as mesh {dict(mesh.shape)}, "
           f"batch {batch} x {DEMO_SEQ_LEN} characters")
     losses = []
     for i in range(steps):
-        sharded, state, loss = step(sharded, state, jax.device_put(next(batches), data))
+        sharded, state, loss = step(sharded, state, jax.device_put(next(windows), data))
         losses.append(float(loss))
         if i == 0 or (i + 1) % max(1, steps // 10) == 0:
             print(f"step {i + 1}/{steps}: loss {losses[-1]:.4f}")

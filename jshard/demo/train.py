@@ -369,8 +369,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     simulate_cpu_devices(8)
     if args.experts:
+        import numpy as np
+
         from jshard.demo.moe_train import train_demo
 
-        return {"losses": train_demo(args.experts, args.steps or DEFAULT_STEPS["tiny"], lr=args.lr, seed=args.seed,
-                                     batch=args.batch)}
+        text = load_text()
+        vocab = Vocab.of(text)
+        ids = np.asarray(vocab.encode(text), np.int32)
+        losses = train_demo(args.experts, args.steps or DEFAULT_STEPS["tiny"], len(vocab.chars),
+                            lambda batch, seq_len: _batches(ids, batch, seq_len, args.seed),
+                            lr=args.lr, seed=args.seed, batch=args.batch)
+        return {"losses": losses}
     return _train(args)
