@@ -68,10 +68,16 @@ def shard_mixtral(params: dict, mesh: Mesh, mp_policy: js.MixedPrecisionPolicy |
     split = NamedSharding(mesh, P("expert"))
     blocks = {}
     for i, block in params["blocks"].items():
-        experts = {name: jax.device_put(w, split) for name, w in block["moe"]["experts"].items()}
+        experts = {name: _place(w, split) for name, w in block["moe"]["experts"].items()}
         blocks[i] = {**block, "moe": {**block["moe"], "experts": js.fully_shard(experts, mesh, on_data)}}
     dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("data", "expert")), mp_policy=mp)
     return js.fully_shard({**params, "blocks": blocks}, mesh, dense)
+
+
+def _place(w: Any, sharding: NamedSharding) -> Any:
+    if isinstance(w, jax.ShapeDtypeStruct):  # planning: abstract leaves stay abstract
+        return jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)
+    return jax.device_put(w, sharding)
 
 
 def train_step(graphdef: Any, optimizer: optax.GradientTransformation, *, sharded: bool = True) -> Callable:
@@ -125,3 +131,39 @@ def train_demo(experts: int, steps: int, vocab: int, batches: Callable[[int, int
             print(f"step {i + 1}/{steps}: loss {losses[-1]:.4f}")
     print(f"loss: {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {steps}")
     return losses
+
+
+MIXTRAL_8X7B = MoEConfig(vocab=32000, dim=4096, heads=32, layers=32, experts=8, hidden=14336, capacity_factor=1.25,
+                         aux_weight=0.02, expert_axis="expert")
+MIXTRAL_SEQ_LEN = 2048
+
+
+def build_mixtral(mesh: Mesh, config: Any = None, cfg: MoEConfig = MIXTRAL_8X7B,
+                  seq_len: int = MIXTRAL_SEQ_LEN) -> tuple[Callable, tuple]:
+    """Plan builder: ``python -m jshard.report plan jshard.demo.moe_train:build_mixtral --devices 256``.
+
+    A Mixtral-8x7B shape (d 4096, f 14336, 8 experts, 32 layers, vocabulary 32000; multi-head
+    attention, not Mixtral's grouped-query one), AdamW, on the planner's devices as
+    ``(data N / 8, expert 8)``; abstract, nothing allocated.
+    """
+    import jax.numpy as jnp
+
+    from jshard.report import PlanConfig, abstract_result
+
+    config = config or PlanConfig()
+    mesh = expert_mesh(cfg.experts, mesh.devices)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Mixtral(cfg, nnx.Rngs(0))))
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if config.mixed_precision \
+        else None
+    params = shard_mixtral(state.to_pure_dict(), mesh, mp)
+    tx = js.shard_optimizer(optax.adamw(1e-4))
+    opt_state = abstract_result(tx.init, params)
+    step = train_step(graphdef, tx)
+
+    def traced(*args: Any) -> Any:
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes Python floats with int32 counts
+            return step(*args)
+
+    tokens = jax.ShapeDtypeStruct((config.batch_per_device * mesh.size, seq_len + 1), jnp.int32,
+                                  sharding=NamedSharding(mesh, P(("data", "expert"))))
+    return jax.jit(traced, donate_argnums=(0, 1)), (params, opt_state, tokens)
