@@ -123,7 +123,8 @@ class MoE(nnx.Module):
         gates = gates / gates.sum(-1, keepdims=True)
         chosen = jax.nn.one_hot(idx, cfg.experts, dtype=jnp.float32)  # (B, S, k, E)
         dispatch, combine = dispatch_slots(chosen, gates, cfg.capacity(s))  # (B, S, E, C) each
-        xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(x.dtype), x)  # (B, E, C, d)
+        compute = self.experts.w_up[...].dtype  # tokens travel in the experts' dtype (bf16 under mixed precision)
+        xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(compute), x.astype(compute))  # (B, E, C, d)
         ye = self._run_experts(xe)
         y = jnp.einsum("bsec,becd->bsd", combine.astype(ye.dtype), ye)
         share = chosen.sum(2).mean(1) / cfg.top_k  # f_e per sequence, (B, E)
