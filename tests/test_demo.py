@@ -104,3 +104,15 @@ def test_float8_gathers_train_the_demo_within_its_tolerance_of_bf16(tmp_path):
                                     "--out-dir", str(tmp_path / name), "--sample-chars", "1"])["losses"]
     assert runs["float8"] != runs["bf16"]
     assert abs(runs["float8"][-1] - runs["bf16"][-1]) <= 0.02 * runs["bf16"][-1]
+
+
+def test_demo_trains_the_mixture_of_experts(tmp_path):
+    """``python -m jshard.demo --experts 4``: the small MoE on (data 2 x expert 4), losses going down."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    done = subprocess.run([sys.executable, "-m", "jshard.demo", "--experts", "4", "--steps", "6"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4 experts (top-2), 8 CPU devices as mesh {'data': 2, 'expert': 4}" in done.stdout
+    first, last = (float(x) for x in re.search(r"loss: ([\d.]+) at step 1 -> ([\d.]+) at step 6", done.stdout).groups())
+    assert last < first - 0.5, done.stdout
+    assert sorted(tmp_path.iterdir()) == []  # writes nothing

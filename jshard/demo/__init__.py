@@ -2,7 +2,10 @@
 
 ``train.py`` runs it, ``model.py`` is the model (shared with the planner and the
 benchmarks); ``plan.py`` and ``llama3.py`` are plan builders for that model and a
-Llama-3-8B shape (``python -m jshard.report plan jshard.demo.llama3:build_nnx``).
+Llama-3-8B shape (``python -m jshard.report plan jshard.demo.llama3:build_nnx``);
+``moe.py`` is a Mixtral-style mixture of experts in Flax NNX and ``moe_train.py`` shards and
+trains it on a ``(data, expert)`` mesh (``python -m jshard.demo --experts 4``, and the
+Mixtral-8x7B plan builder ``jshard.demo.moe_train:build_mixtral``).
 
 Example:
   >>> from jshard.demo import load_text

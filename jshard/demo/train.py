@@ -12,7 +12,9 @@ parameters for compute and gathers, fp32 gradient reduction), ``--offload`` (sha
 state in host memory, ``CPUOffloadPolicy``), ``--tensor-parallel T`` (a 2-D mesh: each block
 split Megatron-style over ``T`` devices, FSDP over the rest), ``--float8-gather`` (parameters
 gathered in float8 e4m3 with per-row scales), ``--out-dir`` (the folder for what it writes, printed
-at the end: ``memory.png``; default ``./jshard-demo-out``). Off a terminal (a log file, CI) the
+at the end: ``memory.png``; default ``./jshard-demo-out``), ``--experts E`` (instead, the small
+Mixtral-style mixture of experts of :mod:`jshard.demo.moe` with ``E`` experts, split over an
+``expert`` mesh axis, printing its losses). Off a terminal (a log file, CI) the
 progress bar becomes a line every tenth of the run.
 """
 
@@ -345,6 +347,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="gather parameters in float8 (e4m3, per-row scales: js.float8_all_gather)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                         help="split each block Megatron-style over T devices too (a 2-D fsdp x tp mesh)")
+    parser.add_argument("--experts", type=int, default=0, metavar="E",
+                        help="train the small Mixtral-style MoE with E experts instead (jshard.demo.moe)")
     parser.add_argument("--out-dir", default="jshard-demo-out", help="folder for the demo's outputs (the memory plot)")
     parser.add_argument("--batch", type=int, default=None, help="global batch in sequences")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -364,4 +368,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """
     args = _parse_args(argv)
     simulate_cpu_devices(8)
+    if args.experts:
+        import numpy as np
+
+        from jshard.demo.moe_train import train_demo
+
+        text = load_text()
+        vocab = Vocab.of(text)
+        ids = np.asarray(vocab.encode(text), np.int32)
+        losses = train_demo(args.experts, args.steps or DEFAULT_STEPS["tiny"], len(vocab.chars),
+                            lambda batch, seq_len: _batches(ids, batch, seq_len, args.seed),
+                            lr=args.lr, seed=args.seed, batch=args.batch)
+        return {"losses": losses}
     return _train(args)
