@@ -220,3 +220,19 @@ def test_tokens_travel_in_bf16_under_mixed_precision():
         text = jax.jit(grad_fn).lower(sharded, _tokens()).as_text()
     found = re.findall(r"all_to_all.*?-> tensor<([^>]*)>", text)
     assert len(found) == 4 * CFG.layers and all(t.endswith("xbf16") for t in found), found
+
+
+def test_the_step_report_names_each_units_shard_size():
+    """Dense units shard over all 8 devices, expert units over `data` only: the report says both."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jshard.report import format_report, step_report
+
+    mesh = expert_mesh(CFG.experts, expert_degree=4)
+    cfg = dataclasses.replace(CFG, expert_axis="expert")
+    graphdef, params = init_params(cfg)
+    tokens = jax.device_put(_tokens(), NamedSharding(mesh, P(("data", "expert"))))
+    grad_fn = js.value_and_grad(lambda p, t: lm_loss(nnx.merge(graphdef, p), t))
+    report = step_report(grad_fn, shard_mixtral(params, mesh), tokens)
+    assert "shard sizes N=8 / 2 (units on different axes)" in format_report(report).splitlines()[0]

@@ -42,7 +42,8 @@ class Analytic:
     the compiled input shardings. ``argument_bytes`` / ``host_argument_bytes``: what
     ``memory_analysis()`` should report as device / host arguments. ``grad_bytes``: one
     sharded gradient tree; ``gathered_unit_bytes``: the largest unit (one layer of a
-    stack) gathered in ``param_dtype``.
+    stack) gathered in ``param_dtype``. ``unit_shard_sizes``: the distinct shard sizes of the
+    units, largest first (several where units shard over different axes: experts).
     """
 
     devices: int
@@ -60,6 +61,7 @@ class Analytic:
     all_gather: float
     reduce_scatter: float
     all_reduce: float
+    unit_shard_sizes: tuple[int, ...] = ()
 
 
 def _itemsize(dtype: Any) -> int:
@@ -193,5 +195,6 @@ def analytic(params: Any, args: Any, input_shardings: Any, microbatches: int = 1
         gathered_unit_bytes=max(_gathered_bytes(u) for u, _ in units),
         all_gather=gather * microbatches,
         reduce_scatter=scatter * microbatches,
+        unit_shard_sizes=tuple(sorted({u.meta.axes.shard_size for u, _ in units}, reverse=True)),
         all_reduce=reduce * microbatches,
     )

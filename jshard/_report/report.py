@@ -103,7 +103,7 @@ class Report:
     def from_dict(cls, data: dict[str, Any]) -> Report:
         """Rebuild a report from :meth:`to_dict` output (e.g. a planning subprocess's)."""
         def fields(kind, values):
-            return {f.name: values[f.name] for f in dataclasses.fields(kind)}
+            return {f.name: values[f.name] for f in dataclasses.fields(kind) if f.name in values}
 
         collectives = tuple(
             StepCollective(**{**fields(StepCollective, c), "shapes": tuple(tuple(s) for s in c["shapes"]),
@@ -117,7 +117,8 @@ class Report:
         return cls(
             memory=Memory(**fields(Memory, data["memory"])),
             collectives=collectives,
-            analytic=Analytic(**fields(Analytic, data["analytic"])),
+            analytic=Analytic(**{**fields(Analytic, data["analytic"]),
+                                 "unit_shard_sizes": tuple(data["analytic"].get("unit_shard_sizes", ()))}),
             mesh=dict(data["mesh"]),
             placements=placed,
             model_axes=tuple(data["model_axes"]),
@@ -145,7 +146,7 @@ def format_report(report: Report) -> str:
     a, m = report.analytic, report.memory
     mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
     lines = [
-        f"jshard step report: mesh {{{mesh}}}, {a.devices} devices, shard size N={a.shard_size}, "
+        f"jshard step report: mesh {{{mesh}}}, {a.devices} devices, {_shard_sizes(a)}, "
         f"replicate R={a.replicate_size}",
         f"parameters: {a.params:,} (padded {a.padded_params:,}); per device: params {_mib(a.param_bytes)}, "
         f"params+optimizer state {_mib(a.state_bytes)}, one gathered unit {_mib(a.gathered_unit_bytes)}",
@@ -271,3 +272,12 @@ def step_report(step: Callable[..., Any], *args: Any, params: Any = None, microb
     """
     jitted = step if hasattr(step, "lower") else jax.jit(step)
     return report_lowered(jitted.lower(*args), args, params, microbatches)
+
+
+def _shard_sizes(a: Analytic) -> str:
+    """``shard size N=8``, or every size where units shard over different axes."""
+    sizes = a.unit_shard_sizes or (a.shard_size,)
+    if len(sizes) == 1:
+        return f"shard size N={sizes[0]}"
+    return "shard sizes N=" + " / ".join(map(str, sizes)) + " (units on different axes)"
+
