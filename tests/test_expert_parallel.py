@@ -183,8 +183,10 @@ def test_expert_dim_the_expert_axis_does_not_divide_is_refused():
         js.fully_shard({"w1": w}, mesh, on_data)
 
 
-def test_checkpoint_round_trip_onto_another_expert_degree(tmp_path):
-    """Saved on (data 2 x expert 4), restored exactly on (data 4 x expert 2), momentum included."""
+@pytest.mark.parametrize("target", ["data 4 x expert 2", "one device"])
+def test_checkpoint_round_trip_onto_another_expert_degree(tmp_path, target):
+    """Saved on (data 2 x expert 4), restored exactly on (data 4 x expert 2) and on one device
+    (data 1 x expert 1), momentum included."""
     tx = shard_optimizer(optax.sgd(0.1, momentum=0.9))
     saved_params = _sharded(_params(), _mesh(2))
     grads = jax.tree.map(lambda x: x * 0.5, saved_params)
@@ -194,7 +196,8 @@ def test_checkpoint_round_trip_onto_another_expert_degree(tmp_path):
     saved = {"params": saved_params, "opt_state": state}
     with CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, saved)
-    like_params = _sharded(jax.tree.map(jnp.zeros_like, _params()), _mesh(4))
+    mesh = _mesh(4) if target != "one device" else Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
+    like_params = _sharded(jax.tree.map(jnp.zeros_like, _params()), mesh)
     like = {"params": like_params, "opt_state": tx.init(like_params)}
     with CheckpointManager(tmp_path) as ckpt:
         restored = ckpt.restore(like)
