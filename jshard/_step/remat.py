@@ -170,6 +170,22 @@ def _policy(prim, *_, **params) -> bool:
 REMAT_POLICY = _policy
 
 
+def keeps_cse_barrier(policy: Any) -> bool:
+    """Whether an unrolled segment's checkpoint under ``policy`` keeps ``jax.checkpoint``'s CSE
+    barrier (``prevent_cse``). Under jshard's own policy it does not: that policy recomputes
+    gathers and layout ops only, which the segments' dependences keep apart from the forward
+    gathers, and the barrier would pin every residual JAX picked ([Note: unrolled units] in
+    ``segments.py``). Under a ``remat_policy`` it does, as ``jax.checkpoint`` in the
+    hand-written step: a recomputed layer is kept apart from its forward.
+
+    Example:
+      >>> import jax
+      >>> keeps_cse_barrier(REMAT_POLICY), keeps_cse_barrier(jax.checkpoint_policies.nothing_saveable)
+      (False, True)
+    """
+    return policy is not REMAT_POLICY
+
+
 def remat_policy(activations=None):
     """jshard's policy, combined with a ``jax.checkpoint`` policy for activations."""
     if activations is None:

@@ -28,13 +28,23 @@ The step therefore traces the loss to a jaxpr and cuts its top-level equations i
   cotangents, and the token cotangent it hands back waits for its backward (its incoming
   cotangent is the loss's constant 1, on which nothing can be made to wait).
 
-The segment's checkpoint keeps ``jax.checkpoint``'s CSE barrier (``prevent_cse``) under every
-policy. Without it XLA:TPU merged backward re-gathers of unrolled units with their forward
-gathers, so gathered units stayed alive into backward and the memory bound failed (v5p 2x2x2,
-1024 -> 4096 GELU units, 8 rows per device: temporaries 25.9 MiB at 4 layers, 51.9 at 8; with
-the barrier 44.7 and 45.6). It costs unrolled blocks that keep activations the residuals the
-barrier pins (the sweep's transformer, 8 x 256, batch 64: 79.4 MiB without it, 156.0 with;
-the recipe 64.1).
+Under jshard's own policy the segment's checkpoint runs with ``prevent_cse=False``
+(``remat.keeps_cse_barrier``). ``jax.checkpoint`` otherwise passes every residual through an
+``optimization_barrier`` in backward, which pins each as a buffer of its own: XLA:TPU cannot
+fold a GELU's elementwise intermediates back into the backward fusion that recomputes them
+(the sweep's transformer, 8 unrolled 256-wide blocks, batch 64, activations kept: six
+``f32[8,64,1024]`` per block; peak 156.0 MiB with the barrier, 79.4 without, the recipe 64.1).
+That policy recomputes only gathers and layout ops, and the dependences above already keep
+the re-gathers apart: in the TPU-compiled program every segment's re-gathers but the last's
+are there without the barrier (v5p 2x2x2, that transformer: 7 of 8 per block matrix; the
+last segment's incoming cotangent is the constant 1, its ``depend`` folds and CSE gives it
+its forward gather, which its backward follows at once). The memory bound holds (1024 -> 4096
+GELU units, 8 rows per device: XLA's live peak less the arguments 24.5 MiB at 4 layers, 24.8
+at 8); an earlier reading of a failure compared ``temp_size_in_bytes``, the size of the
+temporaries' allocation, whose packing varies with the program (25.9 MiB at 4 layers, 51.9
+at 8, 55.0 at 16; with the barrier 50.8, 52.3, 52.3). Under a ``remat_policy`` the barrier
+stays, as in ``jax.checkpoint(layer)`` in the hand-written step: it keeps a recomputed layer
+apart from its forward.
 
 ``depend(x, sources)`` (``remat.py``) adds a zero read from one element of each source:
 ``e * 0`` where ``e`` is finite, else 0. It is exactly zero, never NaN, and XLA cannot
@@ -63,7 +73,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend
+from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend, keeps_cse_barrier
 
 
 def _is_start(eqn: Any) -> bool:
@@ -198,7 +208,7 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
 
     # [Note: recompute once]: a segment whose gathers are all checkpointed inside it (a stack's
     # scan) runs as it is; a checkpoint around it would recompute the whole scan.
-    checkpointed = (jax.checkpoint(run, policy=policy)
+    checkpointed = (jax.checkpoint(run, policy=policy, prevent_cse=keeps_cse_barrier(policy))
                     if _checkpoint_whole(seg.eqns, policy) else run)
 
     @jax.custom_vjp
