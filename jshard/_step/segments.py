@@ -37,12 +37,13 @@ fold a GELU's elementwise intermediates back into the backward fusion that recom
 That policy recomputes only gathers and layout ops, and the dependences above already keep
 the re-gathers apart: in the TPU-compiled program every segment's re-gathers but the last's
 are there without the barrier (v5p 2x2x2, that transformer: 7 of 8 per block matrix; the
-last segment's incoming cotangent is the constant 1, its ``depend`` folds and CSE gives it
-its forward gather, which its backward follows at once). The memory bound holds (1024 -> 3072
-GELU units, 8 rows per device: XLA's live peak less the arguments 24.5 MiB at 4 layers, 24.8
-at 8); an earlier reading of a failure compared ``temp_size_in_bytes``, the size of the
-temporaries' allocation, whose packing varies with the program (25.9 MiB at 4 layers, 51.9
-at 8, 55.0 at 16; with the barrier 50.8, 52.3, 52.3). Under a ``remat_policy`` the barrier
+last segment's incoming cotangent is the constant 1: XLA's algebraic simplifier folds its
+``depend`` and CSE merges its re-gather with its forward gather, which its backward follows
+at once). The memory bound holds (1024 -> 3072 GELU units, 8 rows per device: XLA's live
+peak less the arguments 24.5 MiB at 4 layers, 24.8 at 8); an earlier reading of a failure
+compared ``temp_size_in_bytes``, the size of the temporaries' allocation, whose packing
+varies with the program (25.9 MiB at 4 layers, 51.9 at 8, 55.0 at 16; with the barrier
+50.8, 52.3, 52.3). Under a ``remat_policy`` the barrier
 stays, as in ``jax.checkpoint(layer)`` in the hand-written step: it keeps a recomputed layer
 apart from its forward.
 
