@@ -49,9 +49,10 @@ A loss with one segment (stacked units under :func:`jshard.scan`, or every unit 
 up front) runs as one checkpoint of the traced jaxpr, as before. Limits: a gather inside
 a nested jaxpr (a ``jax.jit``, ``jax.checkpoint`` or scan inside ``loss_fn``) belongs to
 that equation, which is not cut; a gathered unit read again in a later segment (a tied
-embedding) is carried to it, so it stays gathered in between; the last segment's
-cotangent is the constant 1 of the loss, so its re-gather may be merged with its
-forward gather, which it follows at once anyway.
+embedding) is carried to it, so it stays gathered in between. The last segment runs
+without a checkpoint: its backward follows its forward at once, so it keeps its unit
+gathered and its activations rather than re-gather and recompute them (the peak is the same;
+the matmuls of its layer and of the loss's tail run once: [Note: recompute once]).
 """
 
 from __future__ import annotations
@@ -197,9 +198,12 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
         return depend(jax.numpy.zeros((), jax.numpy.float32), [vals[i] for i in act_at])
 
     # [Note: recompute once]: a segment whose gathers are all checkpointed inside it (a stack's
-    # scan) runs as it is; a checkpoint around it would recompute the whole scan.
+    # scan) runs as it is; a checkpoint around it would recompute the whole scan. The last
+    # segment is not checkpointed: its backward follows its forward at once, so what a
+    # checkpoint would free is recomputed straight away (no lower peak), and recomputing it
+    # would redo its unit's layer and the loss's tail, which jax.checkpoint(layer) never does.
     checkpointed = (jax.checkpoint(run, policy=policy)
-                    if _checkpoint_whole(seg.eqns, policy) else run)
+                    if _checkpoint_whole(seg.eqns, policy) and not last else run)
 
     @jax.custom_vjp
     def segment(vals, token):
