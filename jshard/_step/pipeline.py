@@ -102,7 +102,7 @@ def _gpipe(run_stage: Callable, xs: jax.Array, axis: str, stages: int) -> jax.Ar
 
 
 def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: FSDPUnit, *, layers: int,
-             policy: PipelinePolicy = PipelinePolicy()) -> jax.Array:
+             policy: PipelinePolicy | None = None) -> jax.Array:
     """``L`` stacked layers run as ``S`` pipeline stages over ``policy.axis``, GPipe schedule.
 
     Inside the step (local view) ``x`` is this device's rows of the activations; they go
@@ -121,7 +121,7 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
         js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=...))``.
       layers: ``L``, the model's layer count (the stack holds ``S * ceil(L / S)`` slots; the
         rest are padding, run as identities).
-      policy: a :class:`jshard.PipelinePolicy`.
+      policy: a :class:`jshard.PipelinePolicy` (default ``PipelinePolicy()``).
 
     Returns:
       ``h`` after the ``L`` layers, shaped like ``x``.
@@ -140,6 +140,7 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
       >>> float(loss), grads["stack"]["w"].shape
       (8.0, (4, 4, 4))
     """
+    policy = PipelinePolicy() if policy is None else policy
     stack = _check_stack(stack, policy.axis, layers)
     step = active_step()
     if step is None:
