@@ -94,7 +94,9 @@ def _train_step(layers: int, policy: js.PipelinePolicy, tx):
 
 
 @pytest.mark.parametrize("stages,layers,microbatches,gather", [
-    (2, 5, 2, "per_microbatch"), (2, 5, 4, "once"), (4, 7, 4, "once"), (4, 7, 8, "per_microbatch"),
+    (2, 5, 4, "per_microbatch"), (4, 7, 4, "once"),  # M = 2S, M = S, both policies: the default run
+    pytest.param(2, 5, 2, "once", marks=pytest.mark.slow),
+    pytest.param(4, 7, 8, "per_microbatch", marks=pytest.mark.slow),
 ])
 def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, gather):
     """10 AdamW steps, fp32, on (stage 2 x fsdp 4) and (stage 4 x fsdp 2), L not divisible by S,
@@ -116,3 +118,56 @@ def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, 
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref)
     assert all(not np.any(w) for w in jax.tree.leaves(padding))  # the identity layers stay zero
     assert sharded["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
+
+
+def _compiled(stages: int, layers: int, policy: js.PipelinePolicy, width: int, batch: int):
+    """The compiled step of a model ``width`` wide on ``batch`` rows (compiled only, not run)."""
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: (rng.normal(size=shape) * 0.1).astype(np.float32)  # noqa: E731
+    params = {"w_in": f32(D_IN, width), "w_out": f32(width, D_OUT),
+              "stack": {"w": f32(layers, width, width), "b": f32(layers, width)}}
+    mesh = _mesh(stages)
+    data = {"x": np.zeros((batch, D_IN), np.float32), "y": np.zeros((batch, D_OUT), np.float32)}
+
+    def loss_fn(p, b):
+        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, layers=layers, policy=policy))
+
+    lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(_sharded(params, mesh), data)
+    return lowered, lowered.compile(), mesh
+
+
+@pytest.mark.parametrize("gather", ["per_microbatch", "once"])
+def test_pipeline_program_moves_the_analytic_bytes(gather):
+    """From the compiled step on (stage 2 x fsdp 4), L=5, M=4, width 64, 64 rows: the schedule
+    loop runs M + S - 1 = 5 times (bubble (S-1)/(M+S-1) = 1/5); one ppermute of a microbatch's
+    activations per schedule step, forward and backward; the stage's FSDP all-gathers and
+    reduce-scatters per the policy; arguments per device exactly the analytic share."""
+    from jshard._report.step_collectives import step_collectives
+
+    stages, fsdp, layers, m, width, batch = 2, 4, 5, 4, 64, 64
+    per_stage = -(-layers // stages)
+    lowered, compiled, mesh = _compiled(stages, layers, js.PipelinePolicy(microbatches=m, gather=gather), width, batch)
+    found = step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    ticks = m + stages - 1
+    microbatch_bytes = stages * batch // (stages * fsdp) // m * width * 4  # S x b rows of a column, in M microbatches
+    assert {c.trip_count for c in permutes} == {ticks}
+    assert (stages - 1) / permutes[0].trip_count == pytest.approx(0.2)  # the bubble
+    assert sum(c.executions for c in permutes) == 2 * ticks  # forward, and its transpose in backward
+    assert sum(c.wire_bytes_per_step for c in permutes) == 2 * ticks * microbatch_bytes
+    layer_bytes, w_bytes = (width * width + width) * 4, width * width * 4  # one gathered layer W; its matrix
+    stack = [c for c in found if c.axes == ("fsdp",)]
+    gathered = sum(c.wire_bytes_per_step for c in stack if c.kind == "all-gather")
+    scattered = sum(c.wire_bytes_per_step for c in stack if c.kind == "reduce-scatter")
+    share = (fsdp - 1) / fsdp
+    if gather == "per_microbatch":  # every layer at every schedule step; backward re-gathers the matrix
+        assert gathered == ticks * per_stage * (layer_bytes + w_bytes) * share  # (the bias's gradient needs no bias)
+        assert scattered == ticks * per_stage * layer_bytes * share
+    else:  # the stage's K layers once (XLA keeps the forward gather for backward) and one reduce-scatter
+        assert gathered == per_stage * layer_bytes * share
+        assert scattered == per_stage * layer_bytes * share
+    slots = stages * per_stage
+    dense = -(-D_IN // 8) * width + width // 8 * D_OUT  # w_in (5, 64) padded to 8 rows on its dim 0
+    stack_share = slots * (width * width + width) // (stages * fsdp)
+    rows = batch // 8 * (D_IN + D_OUT)
+    assert compiled.memory_analysis().argument_size_in_bytes == (dense + stack_share + rows) * 4
