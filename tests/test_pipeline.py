@@ -171,3 +171,58 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
     stack_share = slots * (width * width + width) // (stages * fsdp)
     rows = batch // 8 * (D_IN + D_OUT)
     assert compiled.memory_analysis().argument_size_in_bytes == (dense + stack_share + rows) * 4
+
+
+def _stage_stack(mesh: Mesh, layers: int = 5, staged: bool = True):
+    stack = {"w": np.ones((layers, D, D), np.float32), "b": np.zeros((layers, D), np.float32)}
+    on_fsdp = js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"))
+    return js.fully_shard(js.stage_layers(stack, mesh) if staged else stack, mesh, on_fsdp)
+
+
+def test_pipeline_misuse_is_named():
+    mesh = _mesh(2)
+    dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp")))
+    x = np.ones((BATCH, D), np.float32)
+
+    def step(stack, layers=5, policy=None):
+        params = js.fully_shard({"stack": stack, "scale": np.ones(D, np.float32)}, mesh, dense)
+
+        def loss_fn(p, x):
+            h = x * js.unshard(p)["scale"]
+            return js.pipeline(_layer, h, p["stack"], layers=layers, policy=policy).mean()
+
+        return jax.jit(js.value_and_grad(loss_fn, unshard_params=False))(params, x)
+
+    with pytest.raises(ValueError, match=r"Leaf \['b'\] of shape \(5, 6\) is not split over mesh axis 'stage' "
+                                         r"\(size 2\) on its layer axis 0; lay the stack out .*js.stage_layers"):
+        step(_stage_stack(mesh, staged=False))
+    with pytest.raises(ValueError, match=r"Leaf \['b'\] of shape \(6, 6\) holds 6 layer slots over mesh axis 'stage' "
+                                         r"\(size 2\), which is not 2 stages of ceil\(3 / 2\) layers; pass `layers=`"):
+        step(_stage_stack(mesh), layers=3)
+    with pytest.raises(ValueError, match=r"the 4 rows the 2 stages \(mesh axis 'stage'\) share do not split into "
+                                         r"3 microbatches; make the global batch a multiple of 24 \(lcm\(M=3, S=2\)"):
+        step(_stage_stack(mesh), policy=js.PipelinePolicy(microbatches=3))
+    with pytest.raises(ValueError, match=r"js.scan got a stack whose layer axis 0 is split over mesh axes "
+                                         r"\('stage',\).*run it with js.pipeline"):
+        jax.jit(js.value_and_grad(lambda s, x: js.scan(lambda h, layer: (_layer(h, layer), None), x, s)[0].mean(),
+                                  unshard_params=False))(_stage_stack(mesh), x)
+
+
+def test_pipeline_needs_a_step_manual_over_the_stage_axis():
+    """A stack alone shards over ``fsdp``: the batch is not split over ``stage``, so the schedule cannot run."""
+    mesh = _mesh(2)
+    loss_fn = lambda s, x: js.pipeline(_layer, x, s, layers=5).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"this step is manual over \('fsdp',\) only, so the batch is not split "
+                                         r"over 'stage'; shard the model's other units over it too"):
+        jax.jit(js.value_and_grad(loss_fn, unshard_params=False))(_stage_stack(mesh), np.ones((BATCH, D), np.float32))
+
+
+def test_pipeline_policy_is_validated():
+    with pytest.raises(ValueError, match=r"`gather` must be one of \('per_microbatch', 'once'\), got 'twice'"):
+        js.PipelinePolicy(gather="twice")
+    with pytest.raises(ValueError, match=r"`microbatches` must be a positive int or None .*got 0"):
+        js.PipelinePolicy(microbatches=0)
+    with pytest.raises(ValueError, match=r"`axis` must be a mesh axis name, got ''"):
+        js.PipelinePolicy(axis="")
+    with pytest.raises(ValueError, match=r"The mesh \{'stage': 2, 'fsdp': 4\} has no axis 'pipe'"):
+        js.stage_layers({"w": np.ones((3, 2))}, _mesh(2), axis="pipe")

@@ -27,6 +27,7 @@ per schedule step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -157,9 +158,11 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
     m = policy.microbatches or stages
     rows = jax.lax.all_gather(x, policy.axis, axis=0, tiled=True)
     if rows.shape[0] % m:
+        others = step.axes.data_parallel_size // stages
         raise ValueError(
             f"js.pipeline: the {rows.shape[0]} rows the {stages} stages (mesh axis {policy.axis!r}) share do not "
-            f"split into {m} microbatches; make the global batch a multiple of {m} x the data-parallel size."
+            f"split into {m} microbatches; make the global batch a multiple of {math.lcm(m, stages) * others} "
+            f"(lcm(M={m}, S={stages}) x the other data-parallel axes' size {others})."
         )
     run_stage = _stage(body, stack, step, policy, layers, stage_size(layers, stages))
     outputs = _gpipe(run_stage, rows.reshape((m, rows.shape[0] // m) + rows.shape[1:]), policy.axis, stages)
