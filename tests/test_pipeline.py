@@ -151,7 +151,7 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
     permutes = [c for c in found if c.kind == "collective-permute"]
     ticks = m + stages - 1
     microbatch_bytes = stages * batch // (stages * fsdp) // m * width * 4  # S x b rows of a column, in M microbatches
-    assert {c.trip_count for c in permutes} == {ticks}
+    assert {c.trip_count for c in permutes} == {ticks} and {c.axes for c in permutes} == {("stage",)}
     assert (stages - 1) / permutes[0].trip_count == pytest.approx(0.2)  # the bubble
     assert sum(c.executions for c in permutes) == 2 * ticks  # forward, and its transpose in backward
     assert sum(c.wire_bytes_per_step for c in permutes) == 2 * ticks * microbatch_bytes
@@ -226,3 +226,38 @@ def test_pipeline_policy_is_validated():
         js.PipelinePolicy(axis="")
     with pytest.raises(ValueError, match=r"The mesh \{'stage': 2, 'fsdp': 4\} has no axis 'pipe'"):
         js.stage_layers({"w": np.ones((3, 2))}, _mesh(2), axis="pipe")
+
+
+def test_pipeline_on_the_tpu_compiler():
+    """XLA:TPU (v5p 2x2x2, compile only) runs the same schedule: M + S - 1 = 5 steps, one
+    ppermute of a microbatch over ``stage`` per step each way, and the stage's matrices gathered
+    over ``fsdp`` at every step, forward and backward (2 (M + S - 1) K times)."""
+    from jax.experimental import topologies
+
+    from jshard._report.step_collectives import step_collectives
+
+    stages, layers, m, width, batch = 2, 5, 4, 256, 64
+    devices = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices
+    mesh = Mesh(np.asarray(devices).reshape(stages, 8 // stages), ("stage", "fsdp"))
+    sds = jax.ShapeDtypeStruct
+    stack = js.fully_shard(js.stage_layers({"w": sds((layers, width, width), jnp.float32),
+                                            "b": sds((layers, width), jnp.float32)}, mesh), mesh,
+                           js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp")))
+    params = js.fully_shard({"w_in": sds((D_IN, width), jnp.float32), "w_out": sds((width, D_OUT), jnp.float32),
+                             "stack": stack}, mesh,
+                            js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
+    policy = js.PipelinePolicy(microbatches=m)
+
+    def loss_fn(p, b):
+        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, layers=layers, policy=policy))
+
+    data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}
+    lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(params, data)
+    found = step_collectives(lowered.compile().as_text(), lowered.as_text(), dict(mesh.shape))
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    ticks, per_stage = m + stages - 1, -(-layers // stages)
+    assert {(c.trip_count, c.axes) for c in permutes} == {(ticks, ("stage",))}
+    assert sum(c.wire_bytes_per_step for c in permutes) == 2 * ticks * (batch // 4 // m) * width * 4
+    matrices = [c for c in found
+                if c.kind == "all-gather" and c.axes == ("fsdp",) and c.shapes[0][-2:] == (width, width)]
+    assert sum(c.executions for c in matrices) == 2 * ticks * per_stage

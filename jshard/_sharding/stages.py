@@ -57,7 +57,8 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
     stack back: its first ``L`` layers are the model's.
 
     Args:
-      stack: a pytree of arrays stacked along axis 0, one slice per layer.
+      stack: a pytree of arrays (or ``jax.ShapeDtypeStruct`` for planning) stacked along axis 0,
+        one slice per layer.
       mesh: the mesh with the ``axis`` of stages.
       axis: the stage axis.
 
@@ -80,6 +81,8 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
     sharding = NamedSharding(mesh, PartitionSpec(axis))
 
     def place(x):
+        if isinstance(x, jax.ShapeDtypeStruct):  # planning: the abstract stack, placed the same way
+            return jax.ShapeDtypeStruct((padded,) + x.shape[1:], x.dtype, sharding=sharding)
         x = jnp.asarray(x)
         x = jnp.pad(x, [(0, padded - layers)] + [(0, 0)] * (x.ndim - 1))
         return jax.device_put(x, sharding)
