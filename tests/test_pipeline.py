@@ -142,6 +142,7 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
     loop runs M + S - 1 = 5 times (bubble (S-1)/(M+S-1) = 1/5); one ppermute of a microbatch's
     activations per schedule step, forward and backward; the stage's FSDP all-gathers and
     reduce-scatters per the policy; arguments per device exactly the analytic share."""
+    from jshard._report.flops import matmul_flops
     from jshard._report.step_collectives import step_collectives
 
     stages, fsdp, layers, m, width, batch = 2, 4, 5, 4, 64, 64
@@ -153,6 +154,12 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
     microbatch_bytes = stages * batch // (stages * fsdp) // m * width * 4  # S x b rows of a column, in M microbatches
     assert {c.trip_count for c in permutes} == {ticks} and {c.axes for c in permutes} == {("stage",)}
     assert (stages - 1) / permutes[0].trip_count == pytest.approx(0.2)  # the bubble
+    one_device = jax.jit(jax.value_and_grad(lambda p, b: _loss(p, b, _scan_stack))).lower(
+        {"w_in": jnp.zeros((D_IN, width)), "w_out": jnp.zeros((width, D_OUT)),
+         "stack": {"w": jnp.zeros((layers, width, width)), "b": jnp.zeros((layers, width))}},
+        {"x": jnp.zeros((batch, D_IN)), "y": jnp.zeros((batch, D_OUT))}).compile()
+    work = matmul_flops(compiled.as_text()) / (matmul_flops(one_device.as_text()) / 8)  # 1: no bubble, no padding
+    assert work == pytest.approx(ticks / m * stages * per_stage / layers, rel=0.01)  # 1.5 = 5/4 x 6/5
     assert sum(c.executions for c in permutes) == 2 * ticks  # forward, and its transpose in backward
     assert sum(c.wire_bytes_per_step for c in permutes) == 2 * ticks * microbatch_bytes
     layer_bytes, w_bytes = (width * width + width) * 4, width * width * 4  # one gathered layer W; its matrix

@@ -172,9 +172,9 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
         arrays = _arrays(result)
         if kind in ("all-gather", "collective-permute", "all-reduce", "reduce-scatter") and "-start(" in line:
             if kind == "all-gather":  # (operands, results)
-                arrays = arrays[1:2][len(arrays) // 2 :]
+                arrays = arrays[len(arrays) // 2 :]
             elif kind == "collective-permute":  # (operand, result, two u32 contexts) on XLA:TPU
-                arrays = arrays
+                arrays = arrays[1:2]
         groups = _GROUPS.search(line) or _PAIRS.search(line)
         found.append(HloCollective(
             kind=kind,
