@@ -56,14 +56,22 @@ def _update(tx, grads, state, params):
     return optax.apply_updates(params, updates), state
 
 
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
 @functools.cache
-def _reference(layers: int) -> tuple[list[float], dict]:
-    """The unsharded model on one device: losses and parameters after ``STEPS`` AdamW steps."""
+def _reference(layers: int, compute_dtype=jnp.float32) -> tuple[list[float], dict]:
+    """The unsharded model on one device: losses and parameters after ``STEPS`` AdamW steps;
+    fp32 masters cast to ``compute_dtype`` for the forward (what bf16 gathers give)."""
     tx, params, batch = _adamw(), _params(layers), _batch()
+
+    def loss_fn(p, b):
+        return _loss(_cast(p, compute_dtype), _cast(b, compute_dtype), _scan_stack).astype(jnp.float32)
 
     @jax.jit
     def step(params, state):
-        loss, grads = jax.value_and_grad(_loss)(params, batch, _scan_stack)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         return loss, *_update(tx, grads, state, params)
 
     state, losses = tx.init(params), []
@@ -73,10 +81,11 @@ def _reference(layers: int) -> tuple[list[float], dict]:
     return losses, params
 
 
-def _sharded(params: dict, mesh: Mesh):
-    on_fsdp = js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"))
+def _sharded(params: dict, mesh: Mesh, mp: js.MixedPrecisionPolicy | None = None):
+    mp = mp or js.MixedPrecisionPolicy()
+    on_fsdp = js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"), mp_policy=mp)
     stack = js.fully_shard(js.stage_layers(params["stack"], mesh), mesh, on_fsdp)
-    dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp")))
+    dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp")), mp_policy=mp)
     return js.fully_shard({"w_in": params["w_in"], "w_out": params["w_out"], "stack": stack}, mesh, dense)
 
 
@@ -268,3 +277,40 @@ def test_pipeline_on_the_tpu_compiler():
     matrices = [c for c in found
                 if c.kind == "all-gather" and c.axes == ("fsdp",) and c.shapes[0][-2:] == (width, width)]
     assert sum(c.executions for c in matrices) == 2 * ticks * per_stage
+
+
+def test_the_docs_pipeline_example_runs(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
+    code = re.search(r"<!-- pipeline-example -->\s*```python\n(.*?)```", text, re.S).group(1)
+    with jax.numpy_dtype_promotion("standard"):  # as users run it: optax's Adam needs JAX's default promotion
+        exec(compile(code, "docs/parallelism.md", "exec"), {"__name__": "docs_pipeline"})
+    assert capsys.readouterr().out.split("\n")[:2] == ["P('stage', 'fsdp')", "True"]
+
+
+def test_bf16_mixed_precision_stays_within_its_tolerance():
+    """bf16 gathers, compute and activations between stages, fp32 reductions and masters, on
+    (stage 2 x fsdp 4), L=5, M=4, against the one-device model computing in bf16 from fp32
+    masters. The activations travel between stages in bf16 (read from the lowered program:
+    XLA:CPU runs bf16 collectives in f32). Measured over 10 AdamW steps: the first four losses
+    equal, the others equal or one bf16 ulp apart (0.56% at most; the loss is a bf16 mean); the
+    one-device bf16 run is itself up to 0.84% from fp32."""
+    import re
+
+    mesh, params, batch = _mesh(2), _params(5), _batch()
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    tx = shard_optimizer(_adamw())
+    sharded = _sharded(params, mesh, mp)
+    state = tx.init(sharded)
+    step = _train_step(5, js.PipelinePolicy(microbatches=4), tx)
+    permutes = re.findall(r"collective_permute.*?-> tensor<([^>]*)>", step.lower(sharded, state, batch).as_text())
+    assert len(permutes) == 2 and all(t.endswith("xbf16") for t in permutes), permutes
+    losses = []
+    for _ in range(STEPS):
+        loss, sharded, state = step(sharded, state, batch)
+        losses.append(float(loss))
+    bf16_losses, _ = _reference(5, jnp.bfloat16)
+    np.testing.assert_allclose(losses[0], bf16_losses[0], rtol=1e-6)
+    np.testing.assert_allclose(losses, bf16_losses, rtol=2**-7)  # the bf16 loss: one ulp at most

@@ -325,15 +325,16 @@ class PipelinePolicy:
     stage's shard axes and ``W`` the bytes of one gathered layer (in ``param_dtype``):
 
     - ``gather="per_microbatch"`` (MaxText's ``pipeline_fsdp_ag_per_repeat``): each of the
-      ``M + S - 1`` schedule steps gathers the stage's layers one at a time, so a device holds
-      one gathered layer (and the next, prefetched) at a time; it receives
-      ``(M + S - 1) * K * W * (F - 1) / F`` bytes of all-gathers in forward, as much again
-      re-gathering in backward, and reduce-scatters each layer's gradient at every step.
+      ``M + S - 1`` schedule steps (bubble steps included) gathers the stage's layers one at a
+      time, so a device holds one gathered layer (and the next, prefetched) at a time; each
+      device sends ``(M + S - 1) * K * W * (F - 1) / F`` bytes of all-gathers in forward,
+      re-gathers in backward what backward reads (the matrices; a bias its gradient does not
+      need), and reduce-scatters every layer's gradient at every step, as much again.
     - ``gather="once"`` (MaxText's ``pipeline_fsdp_ag_once``): the stage's ``K`` layers are
       gathered before the schedule and their gradients reduce-scattered once after it: a
-      device holds ``K * W`` of gathered weights and as much of full gradient for the whole
-      step, and moves ``K * W * (F - 1) / F`` per all-gather (one in forward, one re-gather in
-      backward when the stack reshards after forward) and per reduce-scatter.
+      device holds ``K * W`` of gathered weights and as much of full gradient through the
+      step, and sends ``K * W * (F - 1) / F`` for the one all-gather (XLA:CPU and XLA:TPU keep
+      it for backward rather than re-gather) and as much for the one reduce-scatter.
 
     Args:
       axis: the mesh axis whose devices are the stages.
