@@ -314,3 +314,28 @@ def test_bf16_mixed_precision_stays_within_its_tolerance():
     bf16_losses, _ = _reference(5, jnp.bfloat16)
     np.testing.assert_allclose(losses[0], bf16_losses[0], rtol=1e-6)
     np.testing.assert_allclose(losses, bf16_losses, rtol=2**-7)  # the bf16 loss: one ulp at most
+
+
+def test_tensor_parallel_as_a_third_axis():
+    """(stage 2 x fsdp 2 x tp 2), L=5, M=4: each layer's matrix column-parallel over ``tp`` (placed
+    before ``stage_layers``, which keeps that split): 10 AdamW steps within 1e-5 of one device."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    params, batch = _params(5), _batch()
+    params["stack"]["w"] = jax.device_put(params["stack"]["w"], NamedSharding(mesh, P(None, None, "tp")))
+    ref_losses, ref = _reference(5)
+    tx = shard_optimizer(_adamw())
+    sharded = _sharded(params, mesh)
+    assert sharded["stack"]["w"].sharding.spec == P("stage", "fsdp", "tp")
+    state = tx.init(sharded)
+    step = _train_step(5, js.PipelinePolicy(microbatches=4), tx)
+    losses = []
+    for _ in range(STEPS):
+        loss, sharded, state = step(sharded, state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    full = js.unshard(sharded)
+    full["stack"] = jax.tree.map(lambda w: w[:5], full["stack"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref)

@@ -47,11 +47,22 @@ def _layer_count(stack: Any, axis: str, stages: int) -> int:
     return counts.pop()
 
 
+def _stage_sharding(leaf: Any, mesh: Mesh, axis: str) -> NamedSharding:
+    """``axis`` on the layer dim, and the split of the other dims the leaf arrives with on ``mesh``
+    (a tensor-parallel split over ``"tp"`` is kept)."""
+    incoming = getattr(leaf, "sharding", None)
+    rest = ()
+    if isinstance(incoming, NamedSharding) and dict(incoming.mesh.shape) == dict(mesh.shape):
+        rest = tuple(incoming.spec)[1:]
+    return NamedSharding(mesh, PartitionSpec(axis, *rest))
+
+
 def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
     """A stack of ``L`` layers (every leaf ``(L, ...)``) laid out as the mesh's pipeline stages.
 
     Each leaf is zero-padded on axis 0 to ``S * ceil(L / S)`` layers (``S`` the size of
-    ``axis``) and placed split over ``axis`` on that dim, ready for ``js.fully_shard(...,
+    ``axis``) and placed split over ``axis`` on that dim (keeping the split of its other dims
+    it arrives with on ``mesh``, e.g. over ``"tp"``), ready for ``js.fully_shard(...,
     policy=js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=...))`` over the stage's
     data-parallel axes ([Note: pipeline stages]). ``js.unshard`` of the unit gives the padded
     stack back: its first ``L`` layers are the model's.
@@ -63,7 +74,7 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
       axis: the stage axis.
 
     Returns:
-      The tree with every leaf ``(S * K, ...)``, placed ``NamedSharding(mesh, P(axis))``.
+      The tree with every leaf ``(S * K, ...)``, placed ``NamedSharding(mesh, P(axis, ...))``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jshard as js
@@ -78,13 +89,12 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
     stages = mesh.shape[axis]
     layers = _layer_count(stack, axis, stages)
     padded = stages * stage_size(layers, stages)
-    sharding = NamedSharding(mesh, PartitionSpec(axis))
 
     def place(x):
+        sharding = _stage_sharding(x, mesh, axis)
         if isinstance(x, jax.ShapeDtypeStruct):  # planning: the abstract stack, placed the same way
             return jax.ShapeDtypeStruct((padded,) + x.shape[1:], x.dtype, sharding=sharding)
-        x = jnp.asarray(x)
-        x = jnp.pad(x, [(0, padded - layers)] + [(0, 0)] * (x.ndim - 1))
+        x = jnp.pad(jnp.asarray(x), [(0, padded - layers)] + [(0, 0)] * (x.ndim - 1))
         return jax.device_put(x, sharding)
 
     return jax.tree.map(place, stack)
