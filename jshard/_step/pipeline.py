@@ -20,9 +20,10 @@ Backward is JAX's transpose of the schedule: the ``ppermute`` runs the other way
 layer's gradient reaches its stage from every stage's loss through it. The stack's
 gradients are reduce-scattered over the stage's shard axes only (``stage`` splits them),
 and divided by the whole batch split, as expert units' are. Each layer's compute is
-checkpointed with the step's policy (one layer's input saved per layer and schedule step);
-the stage's weights are closed over, not sliced into the loop, so JAX keeps no copy of them
-per schedule step.
+checkpointed with the step's policy (one layer's input saved per layer and schedule step).
+The stage's layers enter the layer loop as its scanned inputs: measured on XLA:CPU (width
+1024, ``S = 2``, ``M = 4``), indexing them inside the loop body instead held 15.11 MiB of
+temporaries against 12.11 (``"per_microbatch"``) and 49.04 against 40.92 (``"once"``).
 """
 
 from __future__ import annotations
@@ -76,13 +77,13 @@ def _stage(body: Callable, stack: FSDPUnit, step: StepState, policy: PipelinePol
     if once:
         entries = gather_for_compute(stack.meta, entries, step)
 
-    def layer(h, j):
-        slices = [e[j] for e in entries]
+    def layer(h, xs):
+        j, slices = xs
         weights = slices if once else gather_for_compute(stack.meta, slices, step, layer=True)
         return jnp.where(first + j < layers, body(h, stack.with_entries(weights)), h), None
 
     checkpointed = per_layer(step, layer)
-    return lambda h: jax.lax.scan(checkpointed, h, jnp.arange(per_stage))[0]
+    return lambda h: jax.lax.scan(checkpointed, h, (jnp.arange(per_stage), list(entries)))[0]
 
 
 def _gpipe(run_stage: Callable, xs: jax.Array, axis: str, stages: int) -> jax.Array:
