@@ -333,8 +333,9 @@ class PipelinePolicy:
     - ``gather="once"`` (MaxText's ``pipeline_fsdp_ag_once``): the stage's ``K`` layers are
       gathered before the schedule and their gradients reduce-scattered once after it: a
       device holds ``K * W`` of gathered weights and as much of full gradient through the
-      step, and sends ``K * W * (F - 1) / F`` for the one all-gather (XLA:CPU and XLA:TPU keep
-      it for backward rather than re-gather) and as much for the one reduce-scatter.
+      step, and sends ``K * W * (F - 1) / F`` per all-gather (one in forward; XLA:TPU gathers
+      again for backward, XLA:CPU keeps the forward's, as measured) and as much for the one
+      reduce-scatter.
 
     Args:
       axis: the mesh axis whose devices are the stages.
