@@ -339,3 +339,20 @@ def test_tensor_parallel_as_a_third_axis():
     full = js.unshard(sharded)
     full["stack"] = jax.tree.map(lambda w: w[:5], full["stack"])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref)
+
+
+def test_parameters_restage_onto_another_stage_count():
+    """Laid out on (stage 2 x fsdp 4) (L=5 in 6 slots), the first L layers of the unsharded stack
+    laid out again on (stage 4 x fsdp 2) (8 slots) hold exactly the same values, the rest zeros."""
+    layers = 5
+    sharded = _sharded(_params(layers), _mesh(2))
+    full = js.unshard(sharded)
+    full["stack"] = jax.tree.map(lambda w: np.asarray(w[:layers]), full["stack"])
+    restaged = _sharded(full, _mesh(4))
+    assert restaged["stack"]["w"].shape == (8, D, D)
+    assert restaged["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
+    again = js.unshard(restaged)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[:layers], b), again["stack"], full["stack"])
+    assert not any(np.any(w[layers:]) for w in jax.tree.leaves(again["stack"]))
+    jax.tree.map(np.testing.assert_array_equal, {k: again[k] for k in ("w_in", "w_out")},
+                 {k: full[k] for k in ("w_in", "w_out")})
