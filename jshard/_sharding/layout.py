@@ -118,7 +118,7 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, 
             "stack every leaf of the unit along axis 0, one slice per layer",
         )
     first = 1 if stacked else 0
-    _check_model_split(path, leaf, axes, model, stacked)
+    _check_model_split(path, leaf, axes, model)
     if len(shape) <= first or 0 in shape:  # nothing to split (0-d, a per-layer scalar, or empty)
         return LeafLayout(shape, dtype, None, 0, model=model)
     dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
@@ -142,7 +142,7 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, 
     return LeafLayout(shape, dtype, dim, n * math.ceil(shape[dim] / n), model=model)
 
 
-def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple, stacked: bool) -> None:
+def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple) -> None:
     for d, names in enumerate(model):
         if names and leaf.shape[d] % axes.model_size(names):
             raise _leaf_error(
@@ -150,11 +150,6 @@ def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple, stack
                 f"(size {axes.model_size(names)}), which does not divide it",
                 "split a dim the model axes divide (pad it), or leave this leaf unsplit over them",
             )
-    if stacked and model and model[0]:
-        raise _leaf_error(
-            path, leaf, axes, f"the stacked layer axis 0 arrives split over model axes {model[0]}",
-            "split the layers' own dims over model axes, not the layer axis",
-        )
 
 
 def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
