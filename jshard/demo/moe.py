@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +85,22 @@ class Attention(nnx.Module):
         self.out = nnx.Linear(cfg.dim, cfg.dim, use_bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        b, s, d = x.shape
-        q, k, v = jnp.split(self.qkv(x).reshape(b, s, 3 * self.heads, d // self.heads), 3, axis=2)
-        scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // self.heads)
-        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(scores.dtype).min)
-        mixed = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(scores, axis=-1), v)
-        return self.out(mixed.reshape(b, s, d))
+        return self.out(causal_attention(self.qkv(x), self.heads))
+
+
+def causal_attention(qkv: jax.Array, heads: int) -> jax.Array:
+    """Causal softmax attention of ``qkv`` ``(B, S, 3 * d)`` (queries, keys, values) over ``heads``; ``(B, S, d)``.
+
+    Example:
+      >>> causal_attention(jnp.ones((1, 3, 6)), heads=2).shape
+      (1, 3, 2)
+    """
+    b, s, three_d = qkv.shape
+    d = three_d // 3
+    q, k, v = jnp.split(qkv.reshape(b, s, 3 * heads, d // heads), 3, axis=2)
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // heads)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, jnp.finfo(scores.dtype).min)
+    return jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(scores, axis=-1), v).reshape(b, s, d)
 
 
 class Experts(nnx.Module):
@@ -103,9 +114,20 @@ class Experts(nnx.Module):
         self.w_down = nnx.Param(init(rngs.params(), (e, f, d)))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = nnx.silu(jnp.einsum("etd,edf->etf", x, self.w_gate[...]))
-        up = jnp.einsum("etd,edf->etf", x, self.w_up[...])
-        return jnp.einsum("etf,efd->etd", gate * up, self.w_down[...])
+        return swiglu_experts(x, self.w_gate[...], self.w_up[...], self.w_down[...])
+
+
+def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """``E`` SwiGLU MLPs at once: ``x`` ``(E, tokens, d)``, weights ``(E, d, f)``, ``(E, d, f)``, ``(E, f, d)``.
+
+    Example:
+      >>> w = jnp.ones((2, 3, 4))
+      >>> swiglu_experts(jnp.ones((2, 5, 3)), w, w, w.transpose(0, 2, 1)).shape
+      (2, 5, 3)
+    """
+    gate = jax.nn.silu(jnp.einsum("etd,edf->etf", x, w_gate))
+    up = jnp.einsum("etd,edf->etf", x, w_up)
+    return jnp.einsum("etf,efd->etd", gate * up, w_down)
 
 
 class MoE(nnx.Module):
@@ -117,31 +139,47 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        cfg, s = self.cfg, x.shape[1]
-        probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)  # (B, S, E)
-        gates, idx = jax.lax.top_k(probs, cfg.top_k)  # (B, S, k)
-        gates = gates / gates.sum(-1, keepdims=True)
-        chosen = jax.nn.one_hot(idx, cfg.experts, dtype=jnp.float32)  # (B, S, k, E)
-        dispatch, combine = dispatch_slots(chosen, gates, cfg.capacity(s))  # (B, S, E, C) each
-        compute = self.experts.w_up[...].dtype  # tokens travel in the experts' dtype (bf16 under mixed precision)
-        xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(compute), x.astype(compute))  # (B, E, C, d)
-        ye = self._run_experts(xe)
-        y = jnp.einsum("bsec,becd->bsd", combine.astype(ye.dtype), ye)
-        share = chosen.sum(2).mean(1) / cfg.top_k  # f_e per sequence, (B, E)
-        aux = cfg.experts * jnp.sum(share * probs.mean(1), axis=-1)  # (B,)
-        return y, aux.mean()
+        # tokens travel in the experts' dtype (bf16 under mixed precision)
+        return mix_experts(x, self.router(x), self.experts, self.experts.w_up.dtype, self.cfg)
 
-    def _run_experts(self, xe: jax.Array) -> jax.Array:
-        """``(B, E, C, d)`` slots in, the same out; over ``expert_axis`` each device runs its ``E / M`` experts."""
-        axis = self.cfg.expert_axis
-        if axis:  # (M * B, E / M, C, d): every device's slots for my experts
-            xe = jax.lax.all_to_all(xe, axis, 1, 0, tiled=True)
-        b, e, c, d = xe.shape
-        ye = self.experts(xe.transpose(1, 0, 2, 3).reshape(e, b * c, d))
-        ye = ye.reshape(e, b, c, d).transpose(1, 0, 2, 3)
-        if axis:  # back to (B, E, C, d) on the devices the tokens came from
-            ye = jax.lax.all_to_all(ye, axis, 0, 1, tiled=True)
-        return ye
+
+def mix_experts(x: jax.Array, logits: jax.Array, experts: Callable[[jax.Array], jax.Array], dtype: jnp.dtype,
+                cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """The MoE layer's rule, for the NNX model and the plain-JAX one: route, dispatch, run, combine.
+
+    ``x`` ``(B, S, d)`` and its router ``logits`` ``(B, S, E)``; ``experts`` maps ``(E', T, d)`` to
+    the same (``E'`` the experts this device holds); tokens travel in ``dtype``. Returns the
+    output ``(B, S, d)`` and the batch's mean load-balancing loss.
+
+    Example:
+      >>> cfg = MoEConfig(dim=4, heads=1, experts=2, top_k=1)
+      >>> y, aux = mix_experts(jnp.ones((1, 3, 4)), jnp.zeros((1, 3, 2)), lambda t: 2 * t, jnp.float32, cfg)
+      >>> y.shape, float(aux)
+      ((1, 3, 4), 1.0)
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # (B, S, E)
+    gates, idx = jax.lax.top_k(probs, cfg.top_k)  # (B, S, k)
+    gates = gates / gates.sum(-1, keepdims=True)
+    chosen = jax.nn.one_hot(idx, cfg.experts, dtype=jnp.float32)  # (B, S, k, E)
+    dispatch, combine = dispatch_slots(chosen, gates, cfg.capacity(x.shape[1]))  # (B, S, E, C) each
+    xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(dtype), x.astype(dtype))  # (B, E, C, d)
+    ye = _run_experts(xe, experts, cfg.expert_axis)
+    y = jnp.einsum("bsec,becd->bsd", combine.astype(ye.dtype), ye)
+    share = chosen.sum(2).mean(1) / cfg.top_k  # f_e per sequence, (B, E)
+    aux = cfg.experts * jnp.sum(share * probs.mean(1), axis=-1)  # (B,)
+    return y, aux.mean()
+
+
+def _run_experts(xe: jax.Array, experts: Callable[[jax.Array], jax.Array], axis: str | None) -> jax.Array:
+    """``(B, E, C, d)`` slots in, the same out; over ``axis`` each device runs its ``E / M`` experts."""
+    if axis:  # (M * B, E / M, C, d): every device's slots for my experts
+        xe = jax.lax.all_to_all(xe, axis, 1, 0, tiled=True)
+    b, e, c, d = xe.shape
+    ye = experts(xe.transpose(1, 0, 2, 3).reshape(e, b * c, d))
+    ye = ye.reshape(e, b, c, d).transpose(1, 0, 2, 3)
+    if axis:  # back to (B, E, C, d) on the devices the tokens came from
+        ye = jax.lax.all_to_all(ye, axis, 0, 1, tiled=True)
+    return ye
 
 
 def dispatch_slots(chosen: jax.Array, gates: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -205,6 +243,16 @@ def lm_loss(model: Mixtral, tokens: jax.Array) -> jax.Array:
       >>> lm_loss(model, jnp.ones((2, 5), jnp.int32)).shape
       ()
     """
-    logits, aux = model(tokens[:, :-1])
+    return lm_objective(*model(tokens[:, :-1]), tokens, model.cfg)
+
+
+def lm_objective(logits: jax.Array, aux: jax.Array, tokens: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """Mean cross-entropy of ``logits`` (for ``tokens[:, :-1]``) against ``tokens[:, 1:]``, plus ``aux_weight * aux``.
+
+    Example:
+      >>> tokens = jnp.zeros((1, 3), jnp.int32)  # uniform logits over 4 words: log 4
+      >>> round(float(lm_objective(jnp.zeros((1, 2, 4)), jnp.ones(()), tokens, MoEConfig(aux_weight=0.0))), 4)
+      1.3863
+    """
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
-    return ce + model.cfg.aux_weight * aux
+    return ce + cfg.aux_weight * aux

@@ -81,7 +81,7 @@ def _place(w: Any, sharding: NamedSharding) -> Any:
 
 
 def train_step(graphdef: Any, optimizer: optax.GradientTransformation, *, sharded: bool = True) -> Callable:
-    """``step(params, opt_state, tokens) -> (params, opt_state, loss)``; ``sharded=False``: ``jax.value_and_grad``.
+    """The NNX model's ``step(params, opt_state, tokens) -> (params, opt_state, loss)`` (:func:`loss_step`).
 
     ``graphdef`` says where the experts live: from a config with ``expert_axis="expert"`` for the
     sharded step, with ``expert_axis=None`` for the one-device reference.
@@ -90,6 +90,23 @@ def train_step(graphdef: Any, optimizer: optax.GradientTransformation, *, sharde
     def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
         return lm_loss(nnx.merge(graphdef, params), tokens)
 
+    return loss_step(loss_fn, optimizer, sharded=sharded)
+
+
+def loss_step(loss_fn: Callable[[Any, jax.Array], jax.Array], optimizer: optax.GradientTransformation, *,
+              sharded: bool = True) -> Callable:
+    """The training step of any ``loss_fn(params, tokens)`` (the NNX model's, or :mod:`jshard.demo.moe_jax`'s).
+
+    Example:
+      >>> from jshard.demo import moe_jax
+      >>> cfg = MoEConfig(vocab=16, dim=8, heads=2, layers=1, experts=4, hidden=12)
+      >>> tx = optax.sgd(0.1)
+      >>> step = loss_step(lambda p, t: moe_jax.lm_loss(p, t, cfg), tx, sharded=False)
+      >>> params = moe_jax.init_params(cfg, jax.random.key(0))
+      >>> _, _, loss = step(params, tx.init(params), jax.numpy.zeros((2, 5), jax.numpy.int32))
+      >>> loss.shape
+      ()
+    """
     grad_fn = js.value_and_grad(loss_fn) if sharded else jax.value_and_grad(loss_fn)
 
     def step(params: Any, opt_state: Any, tokens: jax.Array) -> tuple[Any, Any, jax.Array]:
