@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import jshard as js
 from jshard.demo import moe_jax
-from jshard.demo.moe import MoEConfig, dispatch_slots, lm_loss
-from jshard.demo.moe_train import expert_mesh, init_params, loss_step, shard_mixtral, train_step
+from jshard.demo.moe import Mixtral, MoEConfig, dispatch_slots, lm_loss
+from jshard.demo.moe_train import expert_mesh, init_params, loss_step, shard_mixtral, shard_mixtral_nnx, train_step
+from jshard.flax import nnx as jnnx
 
 # d=10 and f=17: the data axis (2 or 4) divides neither, so fully_shard pads expert and dense leaves.
 CFG = MoEConfig(vocab=32, dim=10, heads=2, layers=2, experts=4, hidden=17, capacity_factor=1.0, aux_weight=0.1)
@@ -117,6 +118,45 @@ def test_the_plain_jax_model_sharded_with_the_core_api_trains_like_the_nnx_model
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), js.unshard(sharded), ref)
     assert sharded["blocks"][1]["moe"]["experts"]["w_gate"].sharding.spec == P("expert", "data")
+
+
+@pytest.mark.parametrize("data", [2, 4])
+def test_the_nnx_model_sharded_through_the_nnx_adapter_trains_like_one_device(data):
+    """jshard.flax.nnx.fully_shard keeps the experts' P('expert') placement and adds FSDP over
+    `data`; 10 AdamW steps (nnx.Optimizer, jnnx.value_and_grad) within 1e-5 of one device."""
+    ref_losses, ref = _reference()
+    cfg = dataclasses.replace(CFG, expert_axis="expert")
+    model = shard_mixtral_nnx(Mixtral(cfg, nnx.Rngs(0)), expert_mesh(cfg.experts, expert_degree=8 // data))
+    assert model.blocks[0].moe.experts.w_down.get_value().sharding.spec == P("expert", "data")
+    assert model.head.kernel.get_value().sharding.spec == P(("data", "expert"))
+    optimizer = nnx.Optimizer(model, _adamw(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, tokens):
+        loss, grads = jnnx.value_and_grad(lm_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
+    with jax.numpy_dtype_promotion("standard"):
+        losses = [float(step(model, optimizer, _tokens())) for _ in range(STEPS)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jnnx.unshard(model)
+    got = nnx.state(model, nnx.Param).to_pure_dict()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, ref)
+
+
+def test_the_nnx_guard_knows_an_expert_units_shard_shape():
+    """Inside the step an expert Param holds (E / M, d / data, f): read outside its module's
+    forward, the guard names it instead of letting the loss compute on a shard."""
+    cfg = dataclasses.replace(CFG, expert_axis="expert")
+    model = shard_mixtral_nnx(Mixtral(cfg, nnx.Rngs(0)), expert_mesh(cfg.experts, expert_degree=4))
+
+    def peek(model, tokens):
+        return lm_loss(model, tokens) + model.blocks[1].moe.experts.w_up[...].sum()
+
+    with pytest.raises(RuntimeError, match=r"Param `blocks\[1\]\.moe\.experts\.w_up` of a fully sharded module was "
+                                           r"read inside the step while its module's parameters are not gathered"):
+        jax.jit(lambda m, t: jnnx.value_and_grad(peek)(m, t)).lower(model, _tokens())
 
 
 @pytest.mark.parametrize("data", [2, 4])

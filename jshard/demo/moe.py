@@ -104,17 +104,25 @@ def causal_attention(qkv: jax.Array, heads: int) -> jax.Array:
 
 
 class Experts(nnx.Module):
-    """``E`` SwiGLU MLPs with stacked weights ``(E, d, f)`` / ``(E, f, d)``; input ``(E, tokens, d)``."""
+    """``E`` SwiGLU MLPs with stacked weights ``(E, d, f)`` / ``(E, f, d)``, run on their slots.
+
+    Called with tokens ``(B, S, d)`` and ``dispatch`` ``(B, S, E, C)``, returns the slots'
+    outputs ``(B, E, C, d)`` (:func:`expert_slots`). With ``expert_axis`` set, each device holds
+    ``E / M`` experts and the slots travel over that axis. Slots are filled in the weights'
+    dtype, so under mixed precision they travel in bf16.
+    """
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         e, d, f = cfg.experts, cfg.dim, cfg.hidden
+        self.axis = cfg.expert_axis
         self.w_gate = nnx.Param(init(rngs.params(), (e, d, f)))
         self.w_up = nnx.Param(init(rngs.params(), (e, d, f)))
         self.w_down = nnx.Param(init(rngs.params(), (e, f, d)))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return swiglu_experts(x, self.w_gate[...], self.w_up[...], self.w_down[...])
+    def __call__(self, x: jax.Array, dispatch: jax.Array) -> jax.Array:
+        w = self.w_gate[...], self.w_up[...], self.w_down[...]
+        return expert_slots(x, dispatch, w[1].dtype, lambda t: swiglu_experts(t, *w), self.axis)
 
 
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -139,21 +147,22 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # tokens travel in the experts' dtype (bf16 under mixed precision)
-        return mix_experts(x, self.router(x), self.experts, self.experts.w_up.dtype, self.cfg)
+        return mix_experts(x, self.router(x), self.experts, self.cfg)
 
 
-def mix_experts(x: jax.Array, logits: jax.Array, experts: Callable[[jax.Array], jax.Array], dtype: jnp.dtype,
+def mix_experts(x: jax.Array, logits: jax.Array, experts: Callable[[jax.Array, jax.Array], jax.Array],
                 cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """The MoE layer's rule, for the NNX model and the plain-JAX one: route, dispatch, run, combine.
 
-    ``x`` ``(B, S, d)`` and its router ``logits`` ``(B, S, E)``; ``experts`` maps ``(E', T, d)`` to
-    the same (``E'`` the experts this device holds); tokens travel in ``dtype``. Returns the
-    output ``(B, S, d)`` and the batch's mean load-balancing loss.
+    ``x`` ``(B, S, d)`` and its router ``logits`` ``(B, S, E)``; ``experts(x, dispatch)`` returns
+    the outputs ``(B, E, C, d)`` of the slots ``dispatch`` ``(B, S, E, C)`` fills
+    (:func:`expert_slots` runs them where they live). Returns the output ``(B, S, d)`` and the
+    batch's mean load-balancing loss.
 
     Example:
       >>> cfg = MoEConfig(dim=4, heads=1, experts=2, top_k=1)
-      >>> y, aux = mix_experts(jnp.ones((1, 3, 4)), jnp.zeros((1, 3, 2)), lambda t: 2 * t, jnp.float32, cfg)
+      >>> double = lambda x, dispatch: 2 * jnp.einsum("bsec,bsd->becd", dispatch, x)
+      >>> y, aux = mix_experts(jnp.ones((1, 3, 4)), jnp.zeros((1, 3, 2)), double, cfg)
       >>> y.shape, float(aux)
       ((1, 3, 4), 1.0)
     """
@@ -162,16 +171,29 @@ def mix_experts(x: jax.Array, logits: jax.Array, experts: Callable[[jax.Array], 
     gates = gates / gates.sum(-1, keepdims=True)
     chosen = jax.nn.one_hot(idx, cfg.experts, dtype=jnp.float32)  # (B, S, k, E)
     dispatch, combine = dispatch_slots(chosen, gates, cfg.capacity(x.shape[1]))  # (B, S, E, C) each
-    xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(dtype), x.astype(dtype))  # (B, E, C, d)
-    ye = _run_experts(xe, experts, cfg.expert_axis)
+    ye = experts(x, dispatch)  # (B, E, C, d)
     y = jnp.einsum("bsec,becd->bsd", combine.astype(ye.dtype), ye)
     share = chosen.sum(2).mean(1) / cfg.top_k  # f_e per sequence, (B, E)
     aux = cfg.experts * jnp.sum(share * probs.mean(1), axis=-1)  # (B,)
     return y, aux.mean()
 
 
-def _run_experts(xe: jax.Array, experts: Callable[[jax.Array], jax.Array], axis: str | None) -> jax.Array:
-    """``(B, E, C, d)`` slots in, the same out; over ``axis`` each device runs its ``E / M`` experts."""
+def expert_slots(x: jax.Array, dispatch: jax.Array, dtype: jnp.dtype, experts: Callable[[jax.Array], jax.Array],
+                 axis: str | None) -> jax.Array:
+    """Fill the slots ``(B, E, C, d)`` with tokens ``x`` per ``dispatch``, in ``dtype``, and run
+    them through ``experts`` (``(E', T, d)`` to the same) where the experts live.
+
+    Over ``axis`` (size ``M``) each device holds ``E' = E / M`` experts: an ``all_to_all`` sends
+    every device's slots for them to it, and another sends the outputs back. With ``axis=None``
+    all ``E`` are local.
+
+    Example:
+      >>> to_expert_2 = jax.nn.one_hot(jnp.full((1, 1), 2), 4)[..., None]  # one token, (B, S, E, C=1)
+      >>> by_index = lambda t: t * jnp.arange(4.0)[:, None, None]  # expert e multiplies by e
+      >>> expert_slots(jnp.ones((1, 1, 3)), to_expert_2, jnp.float32, by_index, None)[0, :, 0, 0]
+      Array([0., 0., 2., 0.], dtype=float32)
+    """
+    xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(dtype), x.astype(dtype))
     if axis:  # (M * B, E / M, C, d): every device's slots for my experts
         xe = jax.lax.all_to_all(xe, axis, 1, 0, tiled=True)
     b, e, c, d = xe.shape

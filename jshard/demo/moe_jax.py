@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jshard.demo.moe import MoEConfig, causal_attention, lm_objective, mix_experts, swiglu_experts
+from jshard.demo.moe import MoEConfig, causal_attention, expert_slots, lm_objective, mix_experts, swiglu_experts
 
 RMS_EPSILON = 1e-6  # nnx.RMSNorm's default
 
@@ -62,9 +62,12 @@ def block(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
     h = rms_norm(x, p["attn_norm"]["scale"])
     x = x + causal_attention(h @ p["attn"]["qkv"]["kernel"], cfg.heads) @ p["attn"]["out"]["kernel"]
     h = rms_norm(x, p["moe_norm"]["scale"])
-    experts = p["moe"]["experts"]
-    y, aux = mix_experts(h, h @ p["moe"]["router"]["kernel"], lambda t: swiglu_experts(t, **experts),
-                         experts["w_up"].dtype, cfg)
+    w = p["moe"]["experts"]
+
+    def experts(x: jax.Array, dispatch: jax.Array) -> jax.Array:
+        return expert_slots(x, dispatch, w["w_up"].dtype, lambda t: swiglu_experts(t, **w), cfg.expert_axis)
+
+    y, aux = mix_experts(h, h @ p["moe"]["router"]["kernel"], experts, cfg)
     return x + y, aux
 
 

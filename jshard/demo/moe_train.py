@@ -74,6 +74,29 @@ def shard_mixtral(params: dict, mesh: Mesh, mp_policy: js.MixedPrecisionPolicy |
     return js.fully_shard({**params, "blocks": blocks}, mesh, dense)
 
 
+def shard_mixtral_nnx(model: Mixtral, mesh: Mesh, mp_policy: js.MixedPrecisionPolicy | None = None) -> Mixtral:
+    """:func:`shard_mixtral`'s layout through the NNX adapter, in place: each ``Experts`` module a unit
+    over ``data`` with its Params first placed over ``expert``, then the model over every device.
+
+    Example:
+      >>> cfg = MoEConfig(vocab=16, dim=8, heads=2, layers=1, experts=4, hidden=12, expert_axis="expert")
+      >>> model = shard_mixtral_nnx(Mixtral(cfg, nnx.Rngs(0)), expert_mesh(cfg.experts))
+      >>> model.blocks[0].moe.experts.w_up.get_value().sharding.spec
+      P('expert', 'data')
+    """
+    from jshard.flax import nnx as jnnx
+
+    mp = mp_policy or js.MixedPrecisionPolicy()
+    on_data = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard="data"), mp_policy=mp)
+    split = NamedSharding(mesh, P("expert"))
+    for block in model.blocks:
+        for param in (block.moe.experts.w_gate, block.moe.experts.w_up, block.moe.experts.w_down):
+            param.set_value(_place(param.get_value(), split))
+        jnnx.fully_shard(block.moe.experts, mesh, on_data)
+    dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("data", "expert")), mp_policy=mp)
+    return jnnx.fully_shard(model, mesh, dense)
+
+
 def _place(w: Any, sharding: NamedSharding) -> Any:
     if isinstance(w, jax.ShapeDtypeStruct):  # planning: abstract leaves stay abstract
         return jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)
