@@ -41,11 +41,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Shape of the model; ``expert_axis`` names the mesh axis the experts are split over (None: all local).
+
+    ``exchange`` says how slots reach their experts over ``expert_axis``: ``"all_to_all"``
+    inside the step's ``shard_map`` (jshard's step, the default), or ``"gspmd"``: sharding
+    constraints on the slots, for a program GSPMD partitions (``benchmarks/moe_dispatch.py``
+    compares the two).
 
     Example:
       >>> MoEConfig(experts=8).capacity(seq_len=64)
@@ -62,8 +68,11 @@ class MoEConfig:
     capacity_factor: float = 2.0
     aux_weight: float = 0.01
     expert_axis: str | None = None
+    exchange: str = "all_to_all"
 
     def __post_init__(self) -> None:
+        if self.exchange not in ("all_to_all", "gspmd"):
+            raise ValueError(f"`exchange` must be 'all_to_all' or 'gspmd', got {self.exchange!r}.")
         if self.dim % self.heads:
             raise ValueError(f"`dim` {self.dim} is not a multiple of `heads` {self.heads}; pick heads dividing dim.")
         if not 0 < self.top_k <= self.experts:
@@ -115,14 +124,14 @@ class Experts(nnx.Module):
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         e, d, f = cfg.experts, cfg.dim, cfg.hidden
-        self.axis = cfg.expert_axis
+        self.axis, self.exchange = cfg.expert_axis, cfg.exchange
         self.w_gate = nnx.Param(init(rngs.params(), (e, d, f)))
         self.w_up = nnx.Param(init(rngs.params(), (e, d, f)))
         self.w_down = nnx.Param(init(rngs.params(), (e, f, d)))
 
     def __call__(self, x: jax.Array, dispatch: jax.Array) -> jax.Array:
         w = self.w_gate[...], self.w_up[...], self.w_down[...]
-        return expert_slots(x, dispatch, w[1].dtype, lambda t: swiglu_experts(t, *w), self.axis)
+        return expert_slots(x, dispatch, w[1].dtype, lambda t: swiglu_experts(t, *w), self.axis, self.exchange)
 
 
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -179,13 +188,14 @@ def mix_experts(x: jax.Array, logits: jax.Array, experts: Callable[[jax.Array, j
 
 
 def expert_slots(x: jax.Array, dispatch: jax.Array, dtype: jnp.dtype, experts: Callable[[jax.Array], jax.Array],
-                 axis: str | None) -> jax.Array:
+                 axis: str | None, exchange: str = "all_to_all") -> jax.Array:
     """Fill the slots ``(B, E, C, d)`` with tokens ``x`` per ``dispatch``, in ``dtype``, and run
     them through ``experts`` (``(E', T, d)`` to the same) where the experts live.
 
     Over ``axis`` (size ``M``) each device holds ``E' = E / M`` experts: an ``all_to_all`` sends
     every device's slots for them to it, and another sends the outputs back. With ``axis=None``
-    all ``E`` are local.
+    all ``E`` are local. ``exchange="gspmd"``: no ``all_to_all``; the slots are constrained to
+    be split over ``axis`` by expert, and GSPMD moves them (under ``jax.set_mesh``).
 
     Example:
       >>> to_expert_2 = jax.nn.one_hot(jnp.full((1, 1), 2), 4)[..., None]  # one token, (B, S, E, C=1)
@@ -194,13 +204,18 @@ def expert_slots(x: jax.Array, dispatch: jax.Array, dtype: jnp.dtype, experts: C
       Array([0., 0., 2., 0.], dtype=float32)
     """
     xe = jnp.einsum("bsec,bsd->becd", dispatch.astype(dtype), x.astype(dtype))
-    if axis:  # (M * B, E / M, C, d): every device's slots for my experts
+    manual = axis is not None and exchange == "all_to_all"
+    if manual:  # (M * B, E / M, C, d): every device's slots for my experts
         xe = jax.lax.all_to_all(xe, axis, 1, 0, tiled=True)
+    elif axis:
+        xe = jax.lax.with_sharding_constraint(xe, P(P.UNCONSTRAINED, axis))
     b, e, c, d = xe.shape
     ye = experts(xe.transpose(1, 0, 2, 3).reshape(e, b * c, d))
     ye = ye.reshape(e, b, c, d).transpose(1, 0, 2, 3)
-    if axis:  # back to (B, E, C, d) on the devices the tokens came from
+    if manual:  # back to (B, E, C, d) on the devices the tokens came from
         ye = jax.lax.all_to_all(ye, axis, 0, 1, tiled=True)
+    elif axis:
+        ye = jax.lax.with_sharding_constraint(ye, P(P.UNCONSTRAINED, axis))
     return ye
 
 

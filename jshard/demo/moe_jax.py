@@ -65,7 +65,8 @@ def block(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
     w = p["moe"]["experts"]
 
     def experts(x: jax.Array, dispatch: jax.Array) -> jax.Array:
-        return expert_slots(x, dispatch, w["w_up"].dtype, lambda t: swiglu_experts(t, **w), cfg.expert_axis)
+        return expert_slots(x, dispatch, w["w_up"].dtype, lambda t: swiglu_experts(t, **w), cfg.expert_axis,
+                            cfg.exchange)
 
     y, aux = mix_experts(h, h @ p["moe"]["router"]["kernel"], experts, cfg)
     return x + y, aux

@@ -55,6 +55,11 @@ def expert_mesh(experts: int, devices: Any = None, expert_degree: int | None = N
     return Mesh(devices.reshape(devices.size // m, m), ("data", "expert"))
 
 
+def as_expert_mesh(mesh: Mesh, experts: int) -> Mesh:
+    """``mesh`` if it is already ``(data, expert)``, else :func:`expert_mesh` over its devices (for plan builders)."""
+    return mesh if mesh.axis_names == ("data", "expert") else expert_mesh(experts, mesh.devices)
+
+
 def init_params(cfg: MoEConfig, seed: int = 0) -> tuple[Any, dict]:
     """The model's graph definition and its parameters as a plain dict (``nnx.split``, pure values)."""
     graphdef, state = nnx.split(Mixtral(cfg, nnx.Rngs(seed)))
@@ -191,7 +196,7 @@ def build_mixtral(mesh: Mesh, config: Any = None, cfg: MoEConfig = MIXTRAL_8X7B,
     from jshard.report import PlanConfig, abstract_result
 
     config = config or PlanConfig()
-    mesh = expert_mesh(cfg.experts, mesh.devices)
+    mesh = as_expert_mesh(mesh, cfg.experts)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Mixtral(cfg, nnx.Rngs(0))))
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if config.mixed_precision \
         else None
