@@ -129,7 +129,7 @@ def loss_step(loss_fn: Callable[[Any, jax.Array], jax.Array], optimizer: optax.G
       >>> from jshard.demo import moe_jax
       >>> cfg = MoEConfig(vocab=16, dim=8, heads=2, layers=1, experts=4, hidden=12)
       >>> tx = optax.sgd(0.1)
-      >>> step = loss_step(lambda p, t: moe_jax.lm_loss(p, t, cfg), tx, sharded=False)
+      >>> step = jax.jit(loss_step(lambda p, t: moe_jax.lm_loss(p, t, cfg), tx, sharded=False))
       >>> params = moe_jax.init_params(cfg, jax.random.key(0))
       >>> _, _, loss = step(params, tx.init(params), jax.numpy.zeros((2, 5), jax.numpy.int32))
       >>> loss.shape
