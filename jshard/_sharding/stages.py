@@ -102,7 +102,7 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> StagedLayers:
       axis: the stage axis.
 
     Returns:
-      A :class:`StagedLayers`: the tree with every leaf ``(S * K, ...)``, placed
+      A ``StagedLayers``: the tree with every leaf ``(S * K, ...)``, placed
       ``NamedSharding(mesh, P(axis, ...))``, and ``L``.
 
     Example:
