@@ -74,7 +74,7 @@ def _step(devices, stages: int, layers: int, width: int, batch: int, policy):
 
     def loss_fn(p, b):
         dense = js.unshard(p)
-        h = js.pipeline(_layer, jnp.tanh(b["x"] @ dense["w_in"]), p["stack"], layers=layers, policy=policy)
+        h = js.pipeline(_layer, jnp.tanh(b["x"] @ dense["w_in"]), p["stack"], policy=policy)
         return jnp.mean((h @ dense["w_out"] - b["y"]) ** 2)
 
     data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}

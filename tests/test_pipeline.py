@@ -91,7 +91,7 @@ def _sharded(params: dict, mesh: Mesh, mp: js.MixedPrecisionPolicy | None = None
 
 def _train_step(layers: int, policy: js.PipelinePolicy, tx):
     def loss_fn(p, batch):
-        stack = lambda h, s: js.pipeline(_layer, h, s, layers=layers, policy=policy)  # noqa: E731
+        stack = lambda h, s: js.pipeline(_layer, h, s, policy=policy)  # noqa: E731
         return _loss(js.unshard(p), batch, stack)
 
     @jax.jit
@@ -121,11 +121,10 @@ def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, 
         loss, sharded, state = step(sharded, state, batch)
         losses.append(float(loss))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    full = js.unshard(sharded)
-    padding = jax.tree.map(lambda w: w[layers:], full["stack"])
-    full["stack"] = jax.tree.map(lambda w: w[:layers], full["stack"])
+    full = js.unshard(sharded)  # the stack's L layers: its unit records L
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref)
-    assert all(not np.any(w) for w in jax.tree.leaves(padding))  # the identity layers stay zero
+    padding = [np.asarray(w)[layers:] for w in jax.tree.leaves(sharded["stack"])]  # the stored slots past L
+    assert all(len(w) == -(-layers // stages) * stages - layers and not np.any(w) for w in padding)  # stay zero
     assert sharded["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
 
 
@@ -139,7 +138,7 @@ def _compiled(stages: int, layers: int, policy: js.PipelinePolicy, width: int, b
     data = {"x": np.zeros((batch, D_IN), np.float32), "y": np.zeros((batch, D_OUT), np.float32)}
 
     def loss_fn(p, b):
-        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, layers=layers, policy=policy))
+        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, policy=policy))
 
     lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(_sharded(params, mesh), data)
     return lowered, lowered.compile(), mesh
@@ -200,21 +199,18 @@ def test_pipeline_misuse_is_named():
     dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp")))
     x = np.ones((BATCH, D), np.float32)
 
-    def step(stack, layers=5, policy=None):
+    def step(stack, policy=None):
         params = js.fully_shard({"stack": stack, "scale": np.ones(D, np.float32)}, mesh, dense)
 
         def loss_fn(p, x):
             h = x * js.unshard(p)["scale"]
-            return js.pipeline(_layer, h, p["stack"], layers=layers, policy=policy).mean()
+            return js.pipeline(_layer, h, p["stack"], policy=policy).mean()
 
         return jax.jit(js.value_and_grad(loss_fn, unshard_params=False))(params, x)
 
-    with pytest.raises(ValueError, match=r"Leaf \['b'\] of shape \(5, 6\) is not split over mesh axis 'stage' "
-                                         r"\(size 2\) on its layer axis 0; lay the stack out .*js.stage_layers"):
+    with pytest.raises(ValueError, match=r"Leaf \['b'\] of shape \(5, 6\) is not laid out as stages over mesh axis "
+                                         r"'stage' \(size 2\) on its layer axis 0; lay the stack out"):
         step(_stage_stack(mesh, staged=False))
-    with pytest.raises(ValueError, match=r"Leaf \['b'\] of shape \(6, 6\) holds 6 layer slots over mesh axis 'stage' "
-                                         r"\(size 2\), which is not 2 stages of ceil\(3 / 2\) layers; pass `layers=`"):
-        step(_stage_stack(mesh), layers=3)
     with pytest.raises(ValueError, match=r"the 4 rows the 2 stages \(mesh axis 'stage'\) share do not split into "
                                          r"3 microbatches; make the global batch a multiple of 24 \(lcm\(M=3, S=2\)"):
         step(_stage_stack(mesh), policy=js.PipelinePolicy(microbatches=3))
@@ -227,7 +223,7 @@ def test_pipeline_misuse_is_named():
 def test_pipeline_needs_a_step_manual_over_the_stage_axis():
     """A stack alone shards over ``fsdp``: the batch is not split over ``stage``, so the schedule cannot run."""
     mesh = _mesh(2)
-    loss_fn = lambda s, x: js.pipeline(_layer, x, s, layers=5).mean()  # noqa: E731
+    loss_fn = lambda s, x: js.pipeline(_layer, x, s).mean()  # noqa: E731
     with pytest.raises(ValueError, match=r"this step is manual over \('fsdp',\) only, so the batch is not split "
                                          r"over 'stage'; shard the model's other units over it too"):
         jax.jit(js.value_and_grad(loss_fn, unshard_params=False))(_stage_stack(mesh), np.ones((BATCH, D), np.float32))
@@ -265,7 +261,7 @@ def test_pipeline_on_the_tpu_compiler():
     policy = js.PipelinePolicy(microbatches=m)
 
     def loss_fn(p, b):
-        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, layers=layers, policy=policy))
+        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, policy=policy))
 
     data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}
     lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(params, data)
@@ -337,22 +333,77 @@ def test_tensor_parallel_as_a_third_axis():
         losses.append(float(loss))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     full = js.unshard(sharded)
-    full["stack"] = jax.tree.map(lambda w: w[:5], full["stack"])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref)
 
 
-def test_parameters_restage_onto_another_stage_count():
-    """Laid out on (stage 2 x fsdp 4) (L=5 in 6 slots), the first L layers of the unsharded stack
-    laid out again on (stage 4 x fsdp 2) (8 slots) hold exactly the same values, the rest zeros."""
-    layers = 5
+def _one_device() -> Mesh:
+    return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("stage", "fsdp"))
+
+
+@pytest.mark.parametrize("target", ["stage 4 x fsdp 2", pytest.param("one device", marks=pytest.mark.slow)])
+def test_checkpoint_restores_onto_another_stage_count(tmp_path, target):
+    """AdamW on (stage 2 x fsdp 4), L=5 (6 layer slots): 3 steps, saved; restored onto (stage 4 x fsdp 2)
+    (8 slots; slow: onto one device, 5 slots), parameters and optimizer state, 3 more steps: losses,
+    parameters and optimizer state within 1e-6 of 6 uninterrupted steps. The checkpoint records the L
+    layers, not the slots."""
+    import json
+
+    from jshard.checkpoint import CheckpointManager
+
+    layers, policy, batch = 5, js.PipelinePolicy(microbatches=2), _batch()
+    tx = shard_optimizer(_adamw())
+    step = _train_step(layers, policy, tx)
+
+    def train(sharded, state, steps):
+        losses = []
+        for _ in range(steps):
+            loss, sharded, state = step(sharded, state, batch)
+            losses.append(float(loss))
+        return losses, sharded, state
+
     sharded = _sharded(_params(layers), _mesh(2))
-    full = js.unshard(sharded)
-    full["stack"] = jax.tree.map(lambda w: np.asarray(w[:layers]), full["stack"])
-    restaged = _sharded(full, _mesh(4))
-    assert restaged["stack"]["w"].shape == (8, D, D)
-    assert restaged["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
-    again = js.unshard(restaged)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[:layers], b), again["stack"], full["stack"])
-    assert not any(np.any(w[layers:]) for w in jax.tree.leaves(again["stack"]))
-    jax.tree.map(np.testing.assert_array_equal, {k: again[k] for k in ("w_in", "w_out")},
-                 {k: full[k] for k in ("w_in", "w_out")})
+    first, sharded, state = train(sharded, tx.init(sharded), 3)
+    with CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(3, {"params": sharded, "opt": state})
+    saved = json.loads(next(tmp_path.glob("3/layouts/*")).read_text())["leaves"]
+    assert saved["params/stack/w"]["shape"] == saved["opt/0/mu/stack/w"]["shape"] == [layers, D, D]
+    ref_losses, ref_sharded, ref_state = train(sharded, state, 3)
+    mesh, slots = (_mesh(4), 8) if target == "stage 4 x fsdp 2" else (_one_device(), 5)
+    like = _sharded(_params(layers), mesh)
+    with CheckpointManager(tmp_path) as ckpt:
+        restored = ckpt.restore({"params": like, "opt": tx.init(like)})
+    assert restored["params"]["stack"]["w"].shape == restored["opt"][0].mu["stack"]["w"].shape == (slots, D, D)
+    losses, params, opt = train(restored["params"], restored["opt"], 3)
+    np.testing.assert_allclose(first + losses, first + ref_losses, rtol=1e-6)
+    for got, want in ((params, ref_sharded), (opt, ref_state)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                     js.unshard(got), js.unshard(want))
+
+
+def test_the_global_view_holds_the_L_layers():
+    """The unit records L: js.unshard, js.reshard and the full state dicts show the 5 layers of a stack
+    stored in 6 slots on (stage 2 x fsdp 4), and load them onto (stage 4 x fsdp 2)'s 8 slots, the rest zeros."""
+    from jshard.state_dict import full_state_dict, load_full_state_dict
+
+    layers, params = 5, _params(5)
+    sharded = _sharded(params, _mesh(2))
+    assert {lay.layers for lay in sharded["stack"].meta.layouts} == {layers}
+    full = full_state_dict(sharded)
+    jax.tree.map(np.testing.assert_array_equal, full, params)
+    jax.tree.map(np.testing.assert_array_equal, js.unshard(sharded), params)
+    like = _sharded(_params(5), _mesh(4))
+    for moved in (load_full_state_dict(full, like), js.reshard(full, like)):
+        stored = np.asarray(moved["stack"]["w"])
+        assert stored.shape == (8, D, D) and not np.any(stored[layers:])
+        np.testing.assert_array_equal(stored[:layers], params["stack"]["w"])
+
+
+def test_a_staged_stack_is_a_unit_of_its_own():
+    mesh = _mesh(2)
+    staged = js.stage_layers({"w": np.ones((5, D, D), np.float32)}, mesh)
+    with pytest.raises(ValueError, match=r"a stack of 5 layers laid out as pipeline stages with "
+                                         r"FullyShardPolicy\(scan_axis=None\); pass FullyShardPolicy\(scan_axis=0"):
+        js.fully_shard(staged, mesh)
+    with pytest.raises(ValueError, match=r"a stack laid out as pipeline stages at \['stack'\]; make it a unit of its "
+                                         r"own first"):
+        js.fully_shard({"stack": staged}, mesh)

@@ -8,6 +8,10 @@ layers are identities in :func:`jshard.pipeline` (masked by their index, ``>= L`
 gradient is exactly zero and, under Optax's usual transforms, they stay zero. Their cost:
 the last stage runs ``S * K - L`` masked layers per microbatch, and every stage's schedule
 step takes ``K`` layers, so the step's layer compute is ``S * K / L`` of an even split.
+``L`` travels with the data: ``stage_layers`` returns a :class:`StagedLayers` holding it,
+``js.fully_shard`` records it in each leaf's ``LeafLayout.layers``, and from there
+``js.pipeline`` reads it and the global view (``js.unshard``, ``js.reshard``, state dicts,
+checkpoints) shows only the ``L`` layers, so a stack restores onto any stage count.
 """
 
 from __future__ import annotations
@@ -18,6 +22,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+@jax.tree_util.register_pytree_node_class
+class StagedLayers:
+    """A stack laid out as pipeline stages by :func:`stage_layers`: the padded tree and its layer count.
+
+    A pytree node (``jax.tree.map`` reaches the stored leaves); index it like the tree.
+    ``tree``: every leaf ``(S * K, ...)``; ``layers``: the model's ``L``.
+    """
+
+    __slots__ = ("tree", "layers")
+
+    def __init__(self, tree: Any, layers: int):
+        self.tree, self.layers = tree, layers
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.tree[key]
+
+    def tree_flatten(self) -> tuple[tuple[Any], int]:
+        return (self.tree,), self.layers
+
+    @classmethod
+    def tree_unflatten(cls, layers: int, children: tuple[Any]) -> StagedLayers:
+        return cls(children[0], layers)
 
 
 def stage_size(layers: int, stages: int) -> int:
@@ -57,15 +85,15 @@ def _stage_sharding(leaf: Any, mesh: Mesh, axis: str) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axis, *rest))
 
 
-def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
+def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> StagedLayers:
     """A stack of ``L`` layers (every leaf ``(L, ...)``) laid out as the mesh's pipeline stages.
 
     Each leaf is zero-padded on axis 0 to ``S * ceil(L / S)`` layers (``S`` the size of
     ``axis``) and placed split over ``axis`` on that dim (keeping the split of its other dims
     it arrives with on ``mesh``, e.g. over ``"tp"``), ready for ``js.fully_shard(...,
     policy=js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=...))`` over the stage's
-    data-parallel axes ([Note: pipeline stages]). ``js.unshard`` of the unit gives the padded
-    stack back: its first ``L`` layers are the model's.
+    data-parallel axes ([Note: pipeline stages]), which records ``L`` in the unit: ``js.unshard``
+    of the unit gives the ``L`` layers back.
 
     Args:
       stack: a pytree of arrays (or ``jax.ShapeDtypeStruct`` for planning) stacked along axis 0,
@@ -74,14 +102,15 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
       axis: the stage axis.
 
     Returns:
-      The tree with every leaf ``(S * K, ...)``, placed ``NamedSharding(mesh, P(axis, ...))``.
+      A ``StagedLayers``: the tree with every leaf ``(S * K, ...)``, placed
+      ``NamedSharding(mesh, P(axis, ...))``, and ``L``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jshard as js
       >>> mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("stage", "fsdp"))
       >>> staged = js.stage_layers({"w": jnp.ones((5, 3, 3))}, mesh)
-      >>> staged["w"].shape, staged["w"].sharding.spec, float(staged["w"][5].sum())
-      ((6, 3, 3), P('stage',), 0.0)
+      >>> staged["w"].shape, staged["w"].sharding.spec, float(staged["w"][5].sum()), staged.layers
+      ((6, 3, 3), P('stage',), 0.0, 5)
     """
     if axis not in mesh.shape:
         raise ValueError(f"The mesh {dict(mesh.shape)} has no axis {axis!r} for pipeline stages; "
@@ -97,4 +126,4 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> Any:
         x = jnp.pad(jnp.asarray(x), [(0, padded - layers)] + [(0, 0)] * (x.ndim - 1))
         return jax.device_put(x, sharding)
 
-    return jax.tree.map(place, stack)
+    return StagedLayers(jax.tree.map(place, stack), layers)

@@ -212,7 +212,7 @@ def leaf_comm(
 def layer_layout(layout: LeafLayout) -> LeafLayout:
     """The layout of one layer's slice of a leaf stacked along axis 0."""
     dim = None if layout.dim is None else layout.dim - 1
-    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim, model=layout.model[1:])
+    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim, model=layout.model[1:], layers=None)
 
 
 def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:

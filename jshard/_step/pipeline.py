@@ -43,7 +43,8 @@ from jshard._sharding.unit import FSDPUnit, is_unit
 from jshard._step.unit_gather import gather_for_compute, per_layer
 
 
-def _check_stack(stack: Any, axis: str, layers: int) -> FSDPUnit:
+def _stack_layers(stack: Any, axis: str) -> int:
+    """``L``, the layer count ``js.stage_layers`` recorded in the stack's unit, or an error naming the leaf."""
     if not is_unit(stack) or stack.meta.policy.scan_axis != 0 or any(lay is None for lay in stack.meta.layouts):
         raise ValueError(
             "js.pipeline takes one FSDPUnit of stacked layers made with FullyShardPolicy(scan_axis=0), got "
@@ -53,19 +54,13 @@ def _check_stack(stack: Any, axis: str, layers: int) -> FSDPUnit:
     stages = stack.meta.mesh.shape.get(axis)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(stack.tree)[0]]
     for path, layout in zip(paths, stack.meta.layouts, strict=True):
-        if not layout.model or layout.model[0] != (axis,):
+        if layout.layers is None or not layout.model or layout.model[0] != (axis,):
             raise ValueError(
-                f"Leaf {path} of shape {layout.shape} is not split over mesh axis {axis!r} (size {stages}) on its "
-                "layer axis 0; lay the stack out as stages with js.stage_layers(stack, mesh) before js.fully_shard."
+                f"Leaf {path} of shape {layout.shape} is not laid out as stages over mesh axis {axis!r} (size "
+                f"{stages}) on its layer axis 0; lay the stack out with js.stage_layers(stack, mesh) before "
+                "js.fully_shard."
             )
-        if not isinstance(layers, int) or not 0 < layers <= layout.shape[0] or \
-                layout.shape[0] != stages * stage_size(layers, stages):
-            raise ValueError(
-                f"Leaf {path} of shape {layout.shape} holds {layout.shape[0]} layer slots over mesh axis {axis!r} "
-                f"(size {stages}), which is not {stages} stages of ceil({layers} / {stages}) layers; pass "
-                "`layers=` the model's layer count L, the stack laid out by js.stage_layers."
-            )
-    return stack
+    return stack.meta.layouts[0].layers
 
 
 def _stage(body: Callable, stack: FSDPUnit, step: StepState, policy: PipelinePolicy, layers: int,
@@ -103,7 +98,7 @@ def _gpipe(run_stage: Callable, xs: jax.Array, axis: str, stages: int) -> jax.Ar
     return outputs
 
 
-def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: FSDPUnit, *, layers: int,
+def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: FSDPUnit, *,
              policy: PipelinePolicy | None = None) -> jax.Array:
     """``L`` stacked layers run as ``S`` pipeline stages over ``policy.axis``, GPipe schedule.
 
@@ -120,9 +115,9 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
       body: ``(h, layer) -> h``, one layer (``layer``: its full parameters, a tree like the stack's).
       x: the activations entering the stack, an array with the batch on dim 0.
       stack: the unit of stacked layers: ``js.fully_shard(js.stage_layers(stack, mesh), mesh,
-        js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=...))``.
-      layers: ``L``, the model's layer count (the stack holds ``S * ceil(L / S)`` slots; the
-        rest are padding, run as identities).
+        js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=...))``, which records the model's layer
+        count ``L`` (the stack holds ``S * ceil(L / S)`` slots; the rest are padding, run as
+        identities).
       policy: a :class:`jshard.PipelinePolicy` (default ``PipelinePolicy()``).
 
     Returns:
@@ -136,18 +131,17 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
       >>> params = js.fully_shard({"stack": stack, "scale": jnp.ones(4)}, mesh,
       ...                         js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
       >>> def loss_fn(p, x):
-      ...     h = js.pipeline(lambda h, layer: h @ layer["w"], x * js.unshard(p)["scale"], p["stack"], layers=3)
+      ...     h = js.pipeline(lambda h, layer: h @ layer["w"], x * js.unshard(p)["scale"], p["stack"])
       ...     return h.mean()
       >>> loss, grads = jax.jit(js.value_and_grad(loss_fn, unshard_params=False))(params, jnp.ones((16, 4)))
       >>> float(loss), grads["stack"]["w"].shape
       (8.0, (4, 4, 4))
     """
     policy = PipelinePolicy() if policy is None else policy
-    stack = _check_stack(stack, policy.axis, layers)
+    layers = _stack_layers(stack, policy.axis)
     step = active_step()
-    if step is None:
-        weights = jax.tree.map(lambda w: w[:layers], unshard_global(stack))
-        return jax.lax.scan(lambda h, layer: (body(h, layer), None), x, weights)[0]
+    if step is None:  # the global view: the L layers, no padding slots
+        return jax.lax.scan(lambda h, layer: (body(h, layer), None), x, unshard_global(stack))[0]
     step.unit(stack.meta)  # a unit of this step, or a clear error
     if policy.axis not in step.axes.data_parallel:
         raise ValueError(
