@@ -55,7 +55,8 @@ def _one_device_flops(layers: int, width: int, batch: int) -> float:
     return matmul_flops(jax.jit(jax.value_and_grad(loss_fn)).lower(params, data).compile().as_text())
 
 
-def _step(devices, stages: int, layers: int, width: int, batch: int, policy):
+def pipeline_step(devices, stages: int, layers: int, width: int, batch: int, policy):
+    """The benchmark's pipelined step on ``devices`` as ``(stage, fsdp)``: ``(mesh, lowered, compiled)``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -88,7 +89,7 @@ def _row(devices, stages: int, layers: int, m: int, gather: str, width: int, bat
     from jshard._report.step_collectives import step_collectives
 
     policy = js.PipelinePolicy(microbatches=m, gather=gather)
-    mesh, lowered, compiled = _step(devices, stages, layers, width, batch, policy)
+    mesh, lowered, compiled = pipeline_step(devices, stages, layers, width, batch, policy)
     fsdp, per_stage, ticks = 8 // stages, -(-layers // stages), m + stages - 1
     found = step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))
     permutes = [c for c in found if c.kind == "collective-permute"]

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import docs_example_output
 from jax.sharding import PartitionSpec as P
 
 import jshard as js
@@ -255,14 +256,7 @@ def test_arguments_and_all_to_all_bytes_match_the_analytic_figures(data):
 
 
 def test_the_docs_moe_example_runs(capsys):
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
-    code = re.search(r"<!-- moe-example -->\s*```python\n(.*?)```", text, re.S).group(1)
-    with jax.numpy_dtype_promotion("standard"):  # as users run it: optax's Adam needs JAX's default promotion
-        exec(compile(code, "docs/parallelism.md", "exec"), {"__name__": "docs_moe"})
-    assert capsys.readouterr().out.split("\n")[:2] == ["P('expert', 'data')", "True"]
+    assert docs_example_output("docs/parallelism.md", "moe-example", capsys)[:2] == ["P('expert', 'data')", "True"]
 
 
 def test_tokens_travel_in_bf16_under_mixed_precision():

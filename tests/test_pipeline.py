@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import docs_example_output
 from jax.sharding import Mesh
 
 import jshard as js
@@ -246,26 +247,13 @@ def test_pipeline_on_the_tpu_compiler():
     over ``fsdp`` at every step, forward and backward (2 (M + S - 1) K times)."""
     from jax.experimental import topologies
 
+    from benchmarks.pipeline_program import pipeline_step
     from jshard._report.step_collectives import step_collectives
 
     stages, layers, m, width, batch = 2, 5, 4, 256, 64
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices
-    mesh = Mesh(np.asarray(devices).reshape(stages, 8 // stages), ("stage", "fsdp"))
-    sds = jax.ShapeDtypeStruct
-    stack = js.fully_shard(js.stage_layers({"w": sds((layers, width, width), jnp.float32),
-                                            "b": sds((layers, width), jnp.float32)}, mesh), mesh,
-                           js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp")))
-    params = js.fully_shard({"w_in": sds((D_IN, width), jnp.float32), "w_out": sds((width, D_OUT), jnp.float32),
-                             "stack": stack}, mesh,
-                            js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
-    policy = js.PipelinePolicy(microbatches=m)
-
-    def loss_fn(p, b):
-        return _loss(js.unshard(p), b, lambda h, s: js.pipeline(_layer, h, s, policy=policy))
-
-    data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}
-    lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(params, data)
-    found = step_collectives(lowered.compile().as_text(), lowered.as_text(), dict(mesh.shape))
+    mesh, lowered, compiled = pipeline_step(devices, stages, layers, width, batch, js.PipelinePolicy(microbatches=m))
+    found = step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))
     permutes = [c for c in found if c.kind == "collective-permute"]
     ticks, per_stage = m + stages - 1, -(-layers // stages)
     assert {(c.trip_count, c.axes) for c in permutes} == {(ticks, ("stage",))}
@@ -276,14 +264,7 @@ def test_pipeline_on_the_tpu_compiler():
 
 
 def test_the_docs_pipeline_example_runs(capsys):
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).parents[1] / "docs" / "parallelism.md").read_text()
-    code = re.search(r"<!-- pipeline-example -->\s*```python\n(.*?)```", text, re.S).group(1)
-    with jax.numpy_dtype_promotion("standard"):  # as users run it: optax's Adam needs JAX's default promotion
-        exec(compile(code, "docs/parallelism.md", "exec"), {"__name__": "docs_pipeline"})
-    assert capsys.readouterr().out.split("\n")[:2] == ["P('stage', 'fsdp')", "True"]
+    assert docs_example_output("docs/parallelism.md", "pipeline-example", capsys)[:2] == ["P('stage', 'fsdp')", "True"]
 
 
 def test_bf16_mixed_precision_stays_within_its_tolerance():
