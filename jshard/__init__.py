@@ -16,9 +16,12 @@ from jshard._sharding.policies import DataParallelMeshDims as DataParallelMeshDi
 from jshard._sharding.policies import FullyShardPolicy as FullyShardPolicy
 from jshard._sharding.policies import MixedPrecisionPolicy as MixedPrecisionPolicy
 from jshard._sharding.policies import OffloadPolicy as OffloadPolicy
+from jshard._sharding.policies import PipelinePolicy as PipelinePolicy
+from jshard._sharding.stages import stage_layers as stage_layers
 from jshard._sharding.unit import FSDPUnit as FSDPUnit
 from jshard._step.collectives import float8_all_gather as float8_all_gather
 from jshard._step.collectives import int8_all_gather as int8_all_gather
+from jshard._step.pipeline import pipeline as pipeline
 from jshard._step.scan import scan as scan
 from jshard._step.unshard import unshard as unshard
 from jshard._step.value_and_grad import value_and_grad as value_and_grad
@@ -37,6 +40,7 @@ __all__ = [
     "FullyShardPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "PipelinePolicy",
     "ReduceScatter",
     "checkpoint",
     "collectives",
@@ -49,10 +53,12 @@ __all__ = [
     "make_mesh",
     "offload_optimizer",
     "optim",
+    "pipeline",
     "report",
     "reshard",
     "scan",
     "shard_optimizer",
+    "stage_layers",
     "state_dict",
     "unshard",
     "value_and_grad",

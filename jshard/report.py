@@ -4,8 +4,9 @@
 user's step (a builder ``build(mesh, config) -> (step, args)``) for a mesh larger than
 the machine, compile only; :func:`frontier` searches the configurations that fit a
 memory budget and ranks them by :func:`estimate` on a ``HARDWARE`` profile;
-:func:`scaling` fits per-device memory against the mesh size. ``python -m jshard.report
-plan|frontier|scaling`` runs them from the command line (docs/planning.md).
+:func:`scaling` fits per-device memory against the mesh size; :func:`rank_stages` estimates
+(analytically, not compiled) pipeline stages over FSDP x TP against FSDP x TP alone. ``python -m
+jshard.report plan|frontier|scaling|stages`` runs them from the command line (docs/planning.md).
 """
 
 from jshard._plan.cli import main as main
@@ -27,6 +28,10 @@ from jshard._plan.scaling import Scaling as Scaling
 from jshard._plan.scaling import scaling as scaling
 from jshard._plan.search import FrontierRow as FrontierRow
 from jshard._plan.search import Skipped as Skipped
+from jshard._plan.stage_plan import StackModel as StackModel
+from jshard._plan.stage_plan import StagePlan as StagePlan
+from jshard._plan.stage_plan import estimate_stages as estimate_stages
+from jshard._plan.stage_plan import rank_stages as rank_stages
 from jshard._plan.target import PlanConfig as PlanConfig
 from jshard._plan.target import abstract_result as abstract_result
 from jshard._report.flops import matmul_flops as matmul_flops
@@ -55,9 +60,12 @@ __all__ = [
     "Report",
     "Scaling",
     "Skipped",
+    "StackModel",
+    "StagePlan",
     "StepCollective",
     "abstract_result",
     "estimate",
+    "estimate_stages",
     "format_report",
     "frontier",
     "hardware_of_device",
@@ -67,6 +75,7 @@ __all__ = [
     "parse_bytes",
     "plan",
     "plan_init",
+    "rank_stages",
     "report_lowered",
     "scaling",
     "step_collectives",

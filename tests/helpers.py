@@ -158,3 +158,15 @@ def constant_divisors(stablehlo_text: str) -> collections.Counter:
         elif (m := _DIVIDE.search(line)) and m.group(1) in values:
             found[values[m.group(1)]] += 1
     return found
+
+
+def docs_example_output(page: str, marker: str, capsys) -> list[str]:
+    """Run the Python block after ``<!-- marker -->`` on ``page`` as users run it and return
+    the lines it printed (optax's Adam needs JAX's default dtype promotion)."""
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / page).read_text()
+    code = re.search(rf"<!-- {marker} -->\s*```python\n(.*?)```", text, re.S).group(1)
+    with jax.numpy_dtype_promotion("standard"):
+        exec(compile(code, page, "exec"), {"__name__": f"docs_{marker}"})
+    return capsys.readouterr().out.split("\n")

@@ -27,6 +27,8 @@ def test_jax_grad_of_sharded_params_names_the_padded_leaf():
         jax.value_and_grad(lambda p, x: jnp.mean(x @ p["w"]))(params, jnp.ones((16, 12)))
     with pytest.raises(RuntimeError, match=padded):
         jax.jit(jax.grad(lambda p, x: jnp.mean(x @ p["w"])))(params, jnp.ones((16, 12)))
+    with pytest.raises(RuntimeError, match=padded):  # forward mode too
+        jax.jvp(lambda p: jnp.mean(p["w"]), (params,), (params,))
     with jax.set_mesh(params.meta.mesh):  # js.make_mesh's axes are Explicit: plain jit needs the mesh set
         assert float(jax.jit(lambda p: p["w"].sum())(params)) == 36.0  # reading padded leaves elsewhere is fine
         unpadded = js.fully_shard({"w": jnp.ones((16, 3))})  # no padding: the global array's gradient is right

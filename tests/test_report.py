@@ -143,3 +143,49 @@ def test_report_shows_each_leafs_placement_and_padding_share():
     assert "placement per leaf (2 leaves; most padding first)" in text
     assert "['odd']" in text.split("placement per leaf")[1].splitlines()[1]  # the most padded first
     assert Report.from_dict(json.loads(report.to_json())) == report
+
+
+# A windowed einsum as XLA:TPU compiles a recipe's backward dot on 8 devices (abridged from
+# the compiled step of benchmarks.memory_sweep's GELU 8x1536 b512 bf16): the loop carries no
+# known_trip_count and its counter runs from 0 to 4 by 2.
+WINDOWED_EINSUM = """\
+%body (p: (bf16[64,576], u32[])) -> (bf16[64,576], u32[]) {
+  %p = (bf16[64,576], u32[]) parameter(0)
+  %constant.2 = u32[] constant(2)
+  %acc = bf16[64,576]{1,0} get-tuple-element(%p), index=0
+  %w = bf16[576,1536]{1,0} constant({...})
+  %x = bf16[64,1536]{1,0} constant({...})
+  %dot.1 = bf16[64,576]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %sum = bf16[64,576]{1,0} add(%acc, %dot.1)
+  %i = u32[] get-tuple-element(%p), index=1
+  %next = u32[] add(%i, %constant.2)
+  ROOT %tuple.1 = (bf16[64,576], /*index=1*/u32[]) tuple(%sum, %next)
+}
+
+%cond (p: (bf16[64,576], u32[])) -> pred[] {
+  %p = (bf16[64,576], u32[]) parameter(0)
+  %constant.4 = u32[] constant(4)
+  %i = u32[] get-tuple-element(%p), index=1
+  ROOT %lt = pred[] compare(%i, %constant.4), direction=LT
+}
+
+ENTRY %main () -> bf16[64,576] {
+  %zeros = bf16[64,576]{1,0} constant(0)
+  %start = u32[] constant(START)
+  %init = (bf16[64,576], u32[]) tuple(%zeros, %start)
+  %loop = (bf16[64,576], u32[]) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[64,576]{1,0} get-tuple-element(%loop), index=0
+}
+"""
+
+
+@pytest.mark.parametrize(("start", "trips"), [(0, 2), (1, 2), (2, 1), (4, 0)])
+def test_loop_trips_read_the_counters_start_and_step(start, trips):
+    """[Note: loop trips]: ceil((4 - start) / 2) trips, so the dot counts that many times
+    (read as 4 trips from 0, the recipe's windowed backward matmuls counted twice)."""
+    from jshard._report.loop_trips import trip_counts
+    from jshard.report import matmul_flops
+
+    text = WINDOWED_EINSUM.replace("START", str(start))
+    assert trip_counts(text) == {"body": trips}
+    assert matmul_flops(text) == trips * 2 * 64 * 576 * 1536

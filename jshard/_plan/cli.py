@@ -1,8 +1,10 @@
-"""``python -m jshard.report``: plan a step, search its out-of-memory frontier, or scale it over N."""
+"""``python -m jshard.report``: plan a step, search its out-of-memory frontier, scale it over N, or rank
+pipeline stages over FSDP x TP (estimated)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -13,7 +15,8 @@ from jshard._plan.hardware import HARDWARE, HardwareProfile, parse_bytes, profil
 from jshard._plan.init_plan import plan_init
 from jshard._plan.planner import plan
 from jshard._plan.scaling import scaling
-from jshard._plan.target import REMATS, PlanConfig
+from jshard._plan.stage_plan import rank_stages
+from jshard._plan.target import REMATS, PlanConfig, load_build
 
 DEMO = "jshard.demo.plan:build_{size}"
 _SIZES = ("tiny", "small", "medium", "1b")
@@ -94,7 +97,36 @@ def parser() -> argparse.ArgumentParser:
     _mesh_flags(scale, _ints, [8, 16, 32, 64, 128, 256, 512, 1024])
     _config_flags(scale)
     scale.add_argument("--png", help="write the plot here")
+    stages = sub.add_parser("stages", help="(stage, fsdp, tp) against (fsdp, tp), estimated from the model's shape")
+    stages.add_argument("target", help="a function returning a jshard.report.StackModel, e.g. "
+                                       "jshard.demo.llama3:stack_70b")
+    stages.add_argument("--devices", type=int, required=True)
+    stages.add_argument("--global-batch", type=int, required=True, help="sequences a step")
+    stages.add_argument("--hardware", choices=sorted(HARDWARE), default="h100")
+    stages.add_argument("--link", help="per-device link bandwidth instead of the profile's, e.g. 50GB "
+                                       "(the profile's is within a node; across nodes it is lower)")
+    stages.add_argument("--top", type=int, default=10, help="print this many (default 10)")
+    stages.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    stages.add_argument("--traceback", action="store_true", help=argparse.SUPPRESS)
     return top
+
+
+def _stages(args: argparse.Namespace) -> str:
+    model = load_build(args.target)()
+    hardware = profile(args.hardware)
+    if args.link:
+        hardware = dataclasses.replace(hardware, link_bandwidth=parse_bytes(args.link))
+    plans = rank_stages(model, args.devices, args.global_batch, hardware)
+    if not plans:
+        raise ValueError(f"No (stage, fsdp, tp) of {args.devices} devices divides the global batch of "
+                         f"{args.global_batch} sequences; make it a multiple of the devices.")
+    if args.json:
+        return json.dumps([dict(vars(p), bubble=p.bubble) for p in plans[: args.top]])
+    best_alone = next(p for p in plans if p.stages == 1)
+    head = (f"{model.name} on {args.devices} devices ({args.hardware}, links {hardware.link_bandwidth / 1e9:g} GB/s), "
+            f"{args.global_batch} sequences of {model.seq_len}: ESTIMATED from the shape, not compiled")
+    return "\n".join([head, *(p.describe() for p in plans[: args.top]),
+                      f"best without stages: {best_alone.describe()}"])
 
 
 def _frontier(args: argparse.Namespace):
@@ -139,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             result = plan(_target(args), devices=args.devices, replicate=args.replicate,
                           tensor_parallel=args.tensor_parallel, config=_config(args), target=_compiler(args))
             print(json.dumps(result.to_dict()) if args.json else result)
+        elif args.command == "stages":
+            print(_stages(args))
         elif args.command == "frontier":
             result = _frontier(args)
             print(json.dumps(frontier_to_dict(result)) if args.json else result)

@@ -22,6 +22,7 @@ _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _GROUPS = re.compile(
     r"replica_groups=(\{(?:\{[\d,]*\},?)*\}|\[[^\]]*\]<=\[[^\]]*\](?:T\([\d,]*\))?|mesh\[[^\]]*\] \{[^}]*\})"
 )
+_PAIRS = re.compile(r"source_target_pairs=(\{(?:\{[\d,]*\},?)*\})")  # a collective-permute's groups
 _IOTA = re.compile(r"\[([\d,]*)\]<=\[([\d,]*)\](?:T\(([\d,]*)\))?")
 _MESH = re.compile(r"mesh\[([^\]]*)\] \{([^}]*)\}")
 
@@ -124,7 +125,8 @@ class HloCollective:
 
     ``shapes`` and ``dtype`` are its result's (a combined collective has several);
     ``bytes`` is their total size; ``computation`` is the HLO computation it sits in and
-    ``in_loop`` whether that is a ``while`` body (it then runs once per iteration).
+    ``in_loop`` whether that is a ``while`` body (it then runs once per iteration);
+    ``replica_groups`` a collective-permute's source-target pairs.
     """
 
     kind: str
@@ -169,8 +171,11 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
         result, kind = instr.group(1), instr.group(2)
         arrays = _arrays(result)
         if kind in ("all-gather", "collective-permute", "all-reduce", "reduce-scatter") and "-start(" in line:
-            arrays = arrays[len(arrays) // 2 :] if kind == "all-gather" else arrays
-        groups = _GROUPS.search(line)
+            if kind == "all-gather":  # (operands, results)
+                arrays = arrays[len(arrays) // 2 :]
+            elif kind == "collective-permute":  # (operand, result, two u32 contexts) on XLA:TPU
+                arrays = arrays[1:2]
+        groups = _GROUPS.search(line) or _PAIRS.search(line)
         found.append(HloCollective(
             kind=kind,
             dtype=arrays[0][0] if arrays else "",

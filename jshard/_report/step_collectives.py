@@ -16,14 +16,10 @@ import re
 
 import numpy as np
 
-from jshard._report import hlo
+from jshard._report import hlo, loop_trips
 
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
-_SCALAR_CONSTANT = re.compile(r"^\s*%?([\w.\-]+) = s(?:32|64)\[\]\S* constant\((\d+)\)")
-_LESS_THAN = re.compile(r"^\s*ROOT .*compare\(%?([\w.\-]+), %?([\w.\-]+)\).*direction=LT")
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
 _EXPLICIT_GROUP = re.compile(r"\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"^\[(\d+),(\d+)\]<=")
@@ -60,36 +56,15 @@ class StepCollective:
         return self.wire_bytes * self.executions
 
 
-def _condition_bounds(hlo_text: str) -> dict[str, int]:
-    """``computation -> N`` for loop conditions whose root is ``counter < constant(N)``.
-
-    XLA:TPU's compiled loops carry no ``known_trip_count``; a ``lax.scan`` there is
-    ``while (i < N)`` with ``i`` from 0, so ``N`` is its trip count.
-    """
-    bounds: dict[str, int] = {}
-    constants: dict[str, dict[str, int]] = collections.defaultdict(dict)
-    for current, line in hlo.computation_lines(hlo_text):
-        constant = _SCALAR_CONSTANT.match(line)
-        if constant:
-            constants[current][constant.group(1)] = int(constant.group(2))
-        root = _LESS_THAN.match(line)
-        if root and root.group(2) in constants[current]:
-            bounds[current] = constants[current][root.group(2)]
-    return bounds
-
-
 def _call_graph(hlo_text: str) -> tuple[dict[str, list[tuple[str, int | None, bool]]], str]:
     """``caller -> [(callee, trip count or None, is a loop body)]`` and the entry computation."""
     graph: dict[str, list[tuple[str, int | None, bool]]] = collections.defaultdict(list)
-    bounds = _condition_bounds(hlo_text)
+    trips = loop_trips.trip_counts(hlo_text)
     entry = hlo.entry_computation(hlo_text)
     for current, line in hlo.computation_lines(hlo_text):
-        trip = _TRIP.search(line)
-        condition = _CONDITION.search(line)
-        count = int(trip.group(1)) if trip else bounds.get(condition.group(1)) if condition else None
         for role, callee in _CALLEE.findall(line):
             body = role == "body"
-            graph[current].append((callee, count if body else None, body))
+            graph[current].append((callee, trips.get(callee) if body else None, body))
         for branches in _BRANCHES.findall(line):
             graph[current].extend((b.strip().lstrip("%"), None, False) for b in branches.split(",") if b.strip())
     return graph, entry
@@ -111,7 +86,7 @@ def loop_counts(hlo_text: str) -> dict[str, tuple[int, int | None]]:
         counts[name] = (mult, trip)
         for callee, n, body in graph.get(name, ()):
             if body:
-                stack.append((callee, mult * (n or 1), n))
+                stack.append((callee, mult * (1 if n is None else n), n))
             else:
                 stack.append((callee, mult, trip))
     return counts

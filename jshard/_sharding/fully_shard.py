@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -14,10 +15,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jshard._sharding.agreement import check_unit
-from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad, unpad
+from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad, pad_layers, unpad, unpad_layers
 from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
 from jshard._sharding.model_axes import model_spec
 from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.stages import StagedLayers
 from jshard._sharding.traced import (
     check_computed_over_model_axes,
     check_computed_split,
@@ -43,6 +45,19 @@ def _check_list_of_subtrees(params: Any) -> None:
         seen[id(sub)] = i
 
 
+def _unstaged(params: Any, policy: FullyShardPolicy) -> tuple[Any, int | None]:
+    """The tree and, for a stack laid out by ``js.stage_layers``, its layer count ``L``."""
+    staged = [jax.tree_util.keystr(path) for path, x in jax.tree.flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, StagedLayers))[0] if isinstance(x, StagedLayers)]
+    if not isinstance(params, StagedLayers) and staged:
+        raise ValueError(f"fully_shard got a stack laid out as pipeline stages at {staged[0]}; make it a unit of its "
+                         "own first: fully_shard(js.stage_layers(stack, mesh), mesh, FullyShardPolicy(scan_axis=0)).")
+    if isinstance(params, StagedLayers) and policy.scan_axis != 0:
+        raise ValueError(f"fully_shard got a stack of {params.layers} layers laid out as pipeline stages with "
+                         f"FullyShardPolicy(scan_axis={policy.scan_axis}); pass FullyShardPolicy(scan_axis=0, ...).")
+    return (params.tree, params.layers) if isinstance(params, StagedLayers) else (params, None)
+
+
 @functools.lru_cache(maxsize=1024)
 def _padder(layouts: tuple[LeafLayout, ...], shardings: tuple[Any, ...]):
     """One compiled pad-and-place per distinct set of layouts (eager calls do not retrace)."""
@@ -53,15 +68,18 @@ def _padder(layouts: tuple[LeafLayout, ...], shardings: tuple[Any, ...]):
 @functools.lru_cache(maxsize=1024)
 def _unpadder(layouts: tuple[LeafLayout, ...], shardings: tuple[NamedSharding, ...]):
     def unpad_all(xs):
-        return [unpad(jax.device_put(x, s), layout) for x, layout, s in zip(xs, layouts, shardings, strict=True)]
+        return [unpad_layers(unpad(jax.device_put(x, s), layout), layout)
+                for x, layout, s in zip(xs, layouts, shardings, strict=True)]
 
     return jax.jit(unpad_all, out_shardings=list(shardings))
 
 
 def full_sharding(meta: UnitMeta, layout: LeafLayout) -> NamedSharding:
     """Where a gathered (global-view) leaf lives: replicated over the data-parallel axes, still split
-    over its model axes except on a composed placement dim ([Note: model axes])."""
-    spec = model_spec(layout.model, len(layout.shape), without=layout.dim if layout.composed else None)
+    over its model axes except on a composed placement dim ([Note: model axes]) and on a stage-split
+    stack's layer axis (its ``L`` layers need not divide over the stages)."""
+    model = ((),) + layout.model[1:] if layout.layers is not None else layout.model
+    spec = model_spec(model, len(layout.shape), without=layout.dim if layout.composed else None)
     return NamedSharding(meta.mesh, spec)
 
 
@@ -100,7 +118,8 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
 
     Args:
       params: a pytree of arrays (or ``jax.ShapeDtypeStruct`` for planning), or a list
-        of pytrees that form one unit together.
+        of pytrees that form one unit together, or a stack laid out by
+        :func:`jshard.stage_layers` (its layer count is recorded in the unit).
       mesh: the mesh (default: :func:`jshard.make_mesh`).
       policy: a :class:`jshard.FullyShardPolicy` (default: ``FullyShardPolicy()``).
 
@@ -135,6 +154,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     _check_list_of_subtrees(params)
     mesh = make_mesh() if mesh is None else mesh
     policy = FullyShardPolicy() if policy is None else policy
+    params, layers = _unstaged(params, policy)
     axes = resolve_axes(mesh, policy.dp_mesh_dims)
     check_reshard_group(axes, policy)
     entries_with_path, treedef = jax.tree.flatten_with_path(params, is_leaf=is_unit)
@@ -143,7 +163,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     for i in own:
         check_not_manual(*entries_with_path[i], axes.shard, dict(mesh.shape))
         check_model_axes_visible(*entries_with_path[i], mesh, axes.model)
-        layouts[i] = leaf_layout(*entries_with_path[i], axes, policy, mesh=mesh)
+        layouts[i] = dataclasses.replace(leaf_layout(*entries_with_path[i], axes, policy, mesh=mesh), layers=layers)
         if layouts[i].sharded and not layouts[i].ignored:
             check_computed_split(*entries_with_path[i], axes.shard, dict(mesh.shape))
             check_computed_over_model_axes(*entries_with_path[i], axes.shard, dict(mesh.shape))
@@ -163,7 +183,7 @@ def gather_own(unit: FSDPUnit) -> list[Any]:
     own = _own_sharded(meta)
     shardings = tuple(full_sharding(meta, meta.layouts[i]) for i in own)
     if any(isinstance(entries[i], jax.ShapeDtypeStruct) for i in own):
-        full = [jax.ShapeDtypeStruct(meta.layouts[i].shape, meta.layouts[i].dtype, sharding=s)
+        full = [jax.ShapeDtypeStruct(meta.layouts[i].unpadded_shape, meta.layouts[i].dtype, sharding=s)
                 for i, s in zip(own, shardings, strict=True)]
     else:
         full = _unpadder(tuple(meta.layouts[i] for i in own), shardings)([entries[i] for i in own])
@@ -204,13 +224,14 @@ def _reshard_unit(full: Any, like: FSDPUnit) -> FSDPUnit:
     own = [i for i, layout in enumerate(meta.layouts) if layout is not None]
     for i in own:
         layout, x = meta.layouts[i], entries[i]
-        if not layout.ignored and (tuple(x.shape) != layout.shape or x.dtype != layout.dtype):
+        if not layout.ignored and (tuple(x.shape) != layout.unpadded_shape or x.dtype != layout.dtype):
             path = jax.tree_util.keystr(jax.tree.flatten_with_path(like.tree, is_leaf=is_unit)[0][i][0])
             raise ValueError(
                 f"Leaf {path}: reshard got shape {tuple(x.shape)} and dtype {x.dtype}, but the "
-                f"unit was made from shape {layout.shape} and dtype {layout.dtype}; pass a full "
+                f"unit was made from shape {layout.unpadded_shape} and dtype {layout.dtype}; pass a full "
                 "tree of the original shapes (e.g. the output of js.unshard)."
             )
+        entries[i] = x if layout.ignored else pad_layers(x, layout)
     entries = shard_own(meta, entries)
     for i, layout in enumerate(meta.layouts):
         if layout is None:

@@ -28,7 +28,10 @@ class LeafLayout:
     ``dim`` is the placement dim in the stored array (``None``: replicated, for 0-d
     leaves and, with ``scan_axis=0``, per-layer scalars); ``padded`` its padded size.
     ``ignored`` leaves are stored untouched. ``model[d]``: the model axes that split dim
-    ``d`` (``()`` for a leaf no model axis splits; see [Note: model axes]).
+    ``d`` (``()`` for a leaf no model axis splits; see [Note: model axes]). ``layers``: for a
+    stack laid out as pipeline stages (``js.stage_layers``), the model's layer count ``L``;
+    ``shape[0]`` is then its ``S * K`` layer slots, the last ``S * K - L`` zero padding
+    ([Note: pipeline stages]).
     """
 
     shape: tuple[int, ...]
@@ -37,6 +40,7 @@ class LeafLayout:
     padded: int
     ignored: bool = False
     model: tuple[tuple[str, ...], ...] = ()
+    layers: int | None = None
 
     @property
     def composed(self) -> bool:
@@ -52,6 +56,11 @@ class LeafLayout:
         if self.dim is None:
             return self.shape
         return self.shape[: self.dim] + (self.padded,) + self.shape[self.dim + 1 :]
+
+    @property
+    def unpadded_shape(self) -> tuple[int, ...]:
+        """The model's shape: ``shape`` with a stage-split stack cut to its first ``layers`` slots."""
+        return self.shape if self.layers is None else (self.layers,) + self.shape[1:]
 
     @property
     def padding(self) -> int:
@@ -118,7 +127,7 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, 
             "stack every leaf of the unit along axis 0, one slice per layer",
         )
     first = 1 if stacked else 0
-    _check_model_split(path, leaf, axes, model, stacked)
+    _check_model_split(path, leaf, axes, model)
     if len(shape) <= first or 0 in shape:  # nothing to split (0-d, a per-layer scalar, or empty)
         return LeafLayout(shape, dtype, None, 0, model=model)
     dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
@@ -142,7 +151,7 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, 
     return LeafLayout(shape, dtype, dim, n * math.ceil(shape[dim] / n), model=model)
 
 
-def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple, stacked: bool) -> None:
+def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple) -> None:
     for d, names in enumerate(model):
         if names and leaf.shape[d] % axes.model_size(names):
             raise _leaf_error(
@@ -150,11 +159,6 @@ def _check_model_split(path: Any, leaf: Any, axes: MeshAxes, model: tuple, stack
                 f"(size {axes.model_size(names)}), which does not divide it",
                 "split a dim the model axes divide (pad it), or leave this leaf unsplit over them",
             )
-    if stacked and model and model[0]:
-        raise _leaf_error(
-            path, leaf, axes, f"the stacked layer axis 0 arrives split over model axes {model[0]}",
-            "split the layers' own dims over model axes, not the layer axis",
-        )
 
 
 def partition_spec(layout: LeafLayout, axes: MeshAxes) -> PartitionSpec:
@@ -200,3 +204,16 @@ def unpad(x: jax.Array, layout: LeafLayout, dim: int | None = None) -> jax.Array
         return x
     dim = layout.dim if dim is None else dim
     return jax.lax.slice_in_dim(x, 0, layout.shape[layout.dim], axis=dim)
+
+
+def unpad_layers(x: Any, layout: LeafLayout) -> Any:
+    """``x`` (global view, ``layout.shape``) without a stage-split stack's padding layer slots."""
+    return x if layout.layers is None else x[: layout.layers]
+
+
+def pad_layers(x: Any, layout: LeafLayout) -> Any:
+    """``x`` of ``layout.unpadded_shape`` zero-padded to the stack's layer slots (NumPy stays NumPy)."""
+    if layout.layers is None:
+        return x
+    widths = [(0, layout.shape[0] - layout.layers)] + [(0, 0)] * (np.ndim(x) - 1)
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)

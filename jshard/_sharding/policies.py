@@ -312,3 +312,52 @@ class FullyShardPolicy:
         for name in ("force_sum_reduction_for_comms", "unit_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
+
+
+GATHER_CHOICES = ("per_microbatch", "once")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePolicy:
+    """How :func:`jshard.pipeline` runs a stack of layers as pipeline stages (GPipe).
+
+    With ``S`` stages of ``K = ceil(L / S)`` layers, ``M`` microbatches, ``F`` devices on a
+    stage's shard axes and ``W`` the bytes of one gathered layer (in ``param_dtype``):
+
+    - ``gather="per_microbatch"`` (MaxText's ``pipeline_fsdp_ag_per_repeat``): each of the
+      ``M + S - 1`` schedule steps (bubble steps included) gathers the stage's layers one at a
+      time, so a device holds one gathered layer (and the next, prefetched) at a time; each
+      device sends ``(M + S - 1) * K * W * (F - 1) / F`` bytes of all-gathers in forward,
+      re-gathers in backward what backward reads (the matrices; a bias its gradient does not
+      need), and reduce-scatters every layer's gradient at every step, as much again.
+    - ``gather="once"`` (MaxText's ``pipeline_fsdp_ag_once``): the stage's ``K`` layers are
+      gathered before the schedule and their gradients reduce-scattered once after it: a
+      device holds ``K * W`` of gathered weights and as much of full gradient through the
+      step, and sends ``K * W * (F - 1) / F`` per all-gather (one in forward; XLA:TPU gathers
+      again for backward, XLA:CPU keeps the forward's, as measured) and as much for the one
+      reduce-scatter.
+
+    Args:
+      axis: the mesh axis whose devices are the stages.
+      microbatches: ``M``, how many microbatches the schedule runs (``None``: ``S``). The
+        bubble, the share of schedule steps a stage idles, is ``(S - 1) / (M + S - 1)``.
+      gather: ``"per_microbatch"`` or ``"once"`` (above).
+
+    Example:
+      >>> import jshard as js
+      >>> js.PipelinePolicy(microbatches=4, gather="once").gather
+      'once'
+    """
+
+    axis: str = "stage"
+    microbatches: int | None = None
+    gather: str = "per_microbatch"
+
+    def __post_init__(self):
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ValueError(f"`axis` must be a mesh axis name, got {self.axis!r}.")
+        m = self.microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"`microbatches` must be a positive int or None (one per stage), got {m!r}.")
+        if self.gather not in GATHER_CHOICES:
+            raise ValueError(f"`gather` must be one of {GATHER_CHOICES}, got {self.gather!r}.")

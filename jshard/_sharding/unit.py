@@ -11,6 +11,7 @@ it was made from, in order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -78,17 +79,13 @@ class FSDPUnit:
         return cls(children[0] if top is None else top.unflatten(children), meta, (top, keys))
 
     def __getitem__(self, key):
-        value = self.tree[key]
-        _check_read(self, key, value)
-        return value
+        return _check_read(self, key, self.tree[key])
 
     def __getattr__(self, name: str):
         """``unit.fast`` is ``unit.tree.fast`` for a unit made from a NamedTuple or dataclass."""
         if name.startswith("__") or name in FSDPUnit.__slots__ or not _is_container(self.tree):
             raise AttributeError(name)  # a unit of one array is no array: no .shape, .dtype...
-        value = getattr(self.tree, name)
-        _check_read(self, name, value)
-        return value
+        return _check_read(self, name, getattr(self.tree, name))
 
     def __contains__(self, key) -> bool:
         """``key in unit`` is ``key in unit.tree`` (Flax's ``TrainState`` asks this of params)."""
@@ -162,25 +159,39 @@ READ_PADDED = (
 )
 
 
-_DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")  # JAX's tracers under jax.grad / jvp / linearize
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _refuse_derivative(value: Any, message: str) -> Any:
+    """``value`` itself, whose derivative is an error: a custom JVP rule runs only when ``value``
+    is differentiated (``jax.grad``, ``jvp``, ``linearize``, under ``jit`` too), never for
+    other reads, so no tracer type needs recognising."""
+    return value
 
 
-def _check_read(unit: FSDPUnit, key: Any, value: Any) -> None:
-    """Refuse the two common ways of reading a leaf as a parameter when it is not one."""
+@_refuse_derivative.defjvp
+def _refuse_derivative_jvp(message: str, primals: tuple[Any], tangents: tuple[Any]) -> Any:
+    raise RuntimeError(message)
+
+
+def _check_read(unit: FSDPUnit, key: Any, value: Any) -> Any:
+    """``unit.tree[key]``, refusing the two common ways of reading a leaf as a parameter
+    when it is not one: a shard read inside the step (an error now) and a padded global array
+    differentiated outside it (an error if the read value is differentiated)."""
     step = active_step()
     reading_shard = step is not None and step.holds_shards
-    if not hasattr(value, "shape") or not (reading_shard or type(value).__name__ in _DIFFERENTIATED):
-        return  # the common case (eager or jit reads): no layout lookup
+    traced_outside = step is None and isinstance(value, jax.core.Tracer)
+    if not hasattr(value, "shape") or not (reading_shard or traced_outside):
+        return value  # the common case (eager reads, reads of gathered values): no layout lookup
     layout = _own_layout(unit, key)
     if layout is None or not layout.sharded or layout.ignored:
-        return
+        return value
     facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
              "axis": unit.meta.axes.shard_entry,
              "n": unit.meta.axes.shard_size}
     if reading_shard and tuple(value.shape) != layout.shape:
         raise RuntimeError(READ_SHARD.format(**facts))
-    if step is None and layout.padding and type(value).__name__ in _DIFFERENTIATED:
-        raise RuntimeError(READ_PADDED.format(**facts))
+    if traced_outside and layout.padding:
+        return _refuse_derivative(value, READ_PADDED.format(**facts))
+    return value
 
 
 def _own_layout(unit: FSDPUnit, key: Any) -> LeafLayout | None:

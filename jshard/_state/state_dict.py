@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jshard._sharding.layout import LeafLayout, unpad
+from jshard._sharding.layout import LeafLayout, pad_layers, unpad, unpad_layers
 from jshard._state.stored_leaves import StoredLeaf, check_structure, stored_leaves, strip_units
 
 _STORED_MISMATCH = (
@@ -30,7 +30,7 @@ _STORED_MISMATCH = (
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _gathered(x: jax.Array, layout: LeafLayout | None, replicated: NamedSharding) -> jax.Array:
     x = jax.device_put(x, replicated)
-    x = x if layout is None else unpad(x, layout)
+    x = x if layout is None else unpad_layers(unpad(x, layout), layout)
     return jax.lax.with_sharding_constraint(x, replicated)  # Auto (model) axes: the output stays replicated
 
 
@@ -46,7 +46,7 @@ def _to_host(record: StoredLeaf, keep: bool) -> np.ndarray | None:
         return np.asarray(x) if keep else None
     if layout is not None and tuple(x.shape) != layout.padded_shape:
         raise ValueError(_STORED_MISMATCH.format(name=record.name, got=tuple(x.shape), want=layout.padded_shape))
-    padded = layout is not None and layout.padding > 0
+    padded = layout is not None and (layout.padding > 0 or layout.layers is not None)
     if padded or not x.is_fully_replicated:
         x = _gathered(x, layout if padded else None, _replicated(x.sharding))
     return np.asarray(x.addressable_data(0)) if keep else None
@@ -99,6 +99,8 @@ def _check_full(record: StoredLeaf, value: Any) -> np.ndarray:
 def _from_host(record: StoredLeaf, value: Any) -> Any:
     """One full leaf placed like ``record``: each device copies only its own rows from the host."""
     host, layout, sharding = _check_full(record, value), record.layout, record.sharding
+    if layout is not None:
+        host = pad_layers(host, layout)
     if layout is not None and layout.padding:
         widths = [(0, 0)] * host.ndim
         widths[layout.dim] = (0, layout.padding)

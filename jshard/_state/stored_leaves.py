@@ -43,8 +43,8 @@ class StoredLeaf:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The original (unpadded) shape."""
-        return tuple(np.shape(self.leaf)) if self.layout is None else self.layout.shape
+        """The original (unpadded) shape; a stage-split stack's first ``layers`` layers only."""
+        return tuple(np.shape(self.leaf)) if self.layout is None else self.layout.unpadded_shape
 
 
 def key_name(entry: Any) -> str:

@@ -194,11 +194,16 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
 
 def leaf_comm(
     layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, step: StepState, in_loop: bool = False,
-    phased: bool = True,
+    phased: bool = True, layer: bool = False,
 ) -> LeafComm:
     """The leaf as the step sees it ([Note: step axes]), divided by the step's whole batch split;
-    ``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases])."""
+    ``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases]);
+    ``layer``: one layer's slice of the stacked leaf, viewed before the layer axis is sliced off
+    (a pipeline stage's layers arrive split over ``stage`` on that axis, which is then no
+    replicate axis of theirs)."""
     layout, axes = leaf_view(layout, axes, step.axes)
+    if layer:
+        layout = layer_layout(layout)
     factor = policy.gradient_divide_factor or step.axes.data_parallel_size
     phases = axes.scatter_phases if phased else ()
     return LeafComm(layout, axes, policy, float(factor), step.skip_all_reduce, in_loop, phases)
@@ -207,7 +212,7 @@ def leaf_comm(
 def layer_layout(layout: LeafLayout) -> LeafLayout:
     """The layout of one layer's slice of a leaf stacked along axis 0."""
     dim = None if layout.dim is None else layout.dim - 1
-    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim, model=layout.model[1:])
+    return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim, model=layout.model[1:], layers=None)
 
 
 def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:

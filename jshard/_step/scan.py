@@ -26,6 +26,13 @@ def _check_stacked(units: Any) -> FSDPUnit:
             "js.scan got a stacked unit that contains sub-units; a stack is one unit: "
             "fully_shard the stacked tree once, with scan_axis=0."
         )
+    split = next((layout.model[0] for layout in units.meta.layouts if layout.model and layout.model[0]), ())
+    if split:
+        raise ValueError(
+            f"js.scan got a stack whose layer axis 0 is split over mesh axes {split}: each device holds only "
+            "its stage's layers; run it with js.pipeline (pipeline stages), or place the stack without "
+            "splitting its layer axis."
+        )
     return units
 
 

@@ -36,14 +36,15 @@ fold a GELU's elementwise intermediates back into the backward fusion that recom
 ``f32[8,64,1024]`` per block; peak 156.0 MiB with the barrier, 79.4 without, the recipe 64.1).
 That policy recomputes only gathers and layout ops, and the dependences above already keep
 the re-gathers apart: in the TPU-compiled program every segment's re-gathers but the last's
-are there without the barrier (v5p 2x2x2, that transformer: 7 of 8 per block matrix; the
-last segment's incoming cotangent is the constant 1: XLA's algebraic simplifier folds its
-``depend`` and CSE merges its re-gather with its forward gather, which its backward follows
-at once). The memory bound holds (1024 -> 3072 GELU units, 8 rows per device: XLA's live
-peak less the arguments 24.5 MiB at 4 layers, 24.8 at 8); an earlier reading of a failure
-compared ``temp_size_in_bytes``, the size of the temporaries' allocation, whose packing
-varies with the program (25.9 MiB at 4 layers, 51.9 at 8, 55.0 at 16; with the barrier
-50.8, 52.3, 52.3). Under a ``remat_policy`` the barrier
+are there without the barrier (v5p 2x2x2, that transformer: 7 of 8 per block matrix; when
+the last segment was still checkpointed, its incoming cotangent, the constant 1, let XLA's
+algebraic simplifier fold its ``depend`` and CSE merge its re-gather with its forward
+gather; it is not checkpointed now, see below). The memory bound holds (1024 -> 3072 GELU
+units, 8 rows per device: XLA's live peak less the arguments 24.5 MiB at 4 layers, 24.8 at
+8); an earlier reading of a failure compared ``temp_size_in_bytes``, the size of the
+temporaries' allocation, whose packing varies with the program (25.9 MiB at 4 layers, 51.9
+at 8, 55.0 at 16; with the barrier 50.8, 52.3, 52.3). These figures were measured while the
+last segment was checkpointed. Under a ``remat_policy`` the barrier
 stays, as in ``jax.checkpoint(layer)`` in the hand-written step: it keeps a recomputed layer
 apart from its forward.
 
@@ -60,9 +61,10 @@ A loss with one segment (stacked units under :func:`jshard.scan`, or every unit 
 up front) runs as one checkpoint of the traced jaxpr, as before. Limits: a gather inside
 a nested jaxpr (a ``jax.jit``, ``jax.checkpoint`` or scan inside ``loss_fn``) belongs to
 that equation, which is not cut; a gathered unit read again in a later segment (a tied
-embedding) is carried to it, so it stays gathered in between; the last segment's
-cotangent is the constant 1 of the loss, so its re-gather may be merged with its
-forward gather, which it follows at once anyway.
+embedding) is carried to it, so it stays gathered in between. The last segment runs
+without a checkpoint: its backward follows its forward at once, so it keeps its unit
+gathered and its activations rather than re-gather and recompute them (the peak is the same;
+the matmuls of its layer and of the loss's tail run once: [Note: recompute once]).
 """
 
 from __future__ import annotations
@@ -208,9 +210,12 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
         return depend(jax.numpy.zeros((), jax.numpy.float32), [vals[i] for i in act_at])
 
     # [Note: recompute once]: a segment whose gathers are all checkpointed inside it (a stack's
-    # scan) runs as it is; a checkpoint around it would recompute the whole scan.
+    # scan) runs as it is; a checkpoint around it would recompute the whole scan. The last
+    # segment is not checkpointed: its backward follows its forward at once, so what a
+    # checkpoint would free is recomputed straight away (no lower peak), and recomputing it
+    # would redo its unit's layer and the loss's tail, which jax.checkpoint(layer) never does.
     checkpointed = (jax.checkpoint(run, policy=policy, prevent_cse=keeps_cse_barrier(policy))
-                    if _checkpoint_whole(seg.eqns, policy) else run)
+                    if _checkpoint_whole(seg.eqns, policy) and not last else run)
 
     @jax.custom_vjp
     def segment(vals, token):

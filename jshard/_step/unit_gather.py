@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jshard._sharding.step_state import NOT_IN_STEP, StepState
 from jshard._sharding.torus import phases_pay_off
 from jshard._sharding.unit import FSDPUnit, UnitMeta
-from jshard._step.gather import LeafComm, gather_leaf, layer_layout, leaf_comm
+from jshard._step.gather import LeafComm, gather_leaf, leaf_comm
 from jshard._step.remat import FREE, GATHER_START, SAVED
 from jshard._step.unit_collectives import gather_unit, joins_unit_buffer
 
@@ -47,8 +47,7 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
                              if layout is not None and layout.sharded and not layout.ignored], in_loop=layer)
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:
-            comm = leaf_comm(layer_layout(layout) if layer else layout, meta.axes, meta.policy, step, in_loop=layer,
-                             phased=phased)
+            comm = leaf_comm(layout, meta.axes, meta.policy, step, in_loop=layer, phased=phased, layer=layer)
             if joins_unit_buffer(comm, raf):
                 key = (comm.param_dtype, comm.reduce_dtype, comm.offloaded, comm.axes)  # one buffer: one collective
                 together.setdefault(key, []).append((i, comm))

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 import jshard as js
 from jshard.demo.plan import DEFAULT, data_devices, data_spec, standard_promotion
-from jshard.report import PlanConfig, abstract_result
+from jshard.report import PlanConfig, StackModel, abstract_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,3 +239,29 @@ def build_hf_tiny(mesh: Any, config: PlanConfig = DEFAULT) -> tuple[Any, tuple]:
 def build_init_tiny(mesh: Any) -> tuple[Any, tuple]:
     """The init program of the NNX Llama at the test size."""
     return build_init_model(mesh, TINY)
+
+
+def stack_model(cfg: LlamaConfig) -> StackModel:
+    """``cfg``'s shape for the pipeline-stage plan (``python -m jshard.report stages``, [Note: stage plan]).
+
+    Attention's FLOPs are causal (``2 seq dim`` a token a layer); a layer's recompute holds its
+    bf16 projections, ``(6 dim + 2 kv_dim + 3 ffn)`` values a token (attention scores not stored).
+    """
+    kv_dim = cfg.kv_heads * cfg.dim // cfg.heads
+    matmul = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim + 3 * cfg.dim * cfg.ffn
+    return StackModel(f"Llama-3 dim {cfg.dim} x {cfg.layers} layers", cfg.layers, matmul + 2 * cfg.dim,
+                      2 * cfg.vocab * cfg.dim + cfg.dim, cfg.dim, cfg.seq_len,
+                      2.0 * matmul + 2.0 * cfg.seq_len * cfg.dim, 2.0 * cfg.vocab * cfg.dim,
+                      2.0 * (6 * cfg.dim + 2 * kv_dim + 3 * cfg.ffn))
+
+
+def stack_70b() -> StackModel:
+    """Llama-3-70B for the pipeline-stage plan (70.55e9 parameters, 80 layers).
+
+    Example:
+      >>> from jshard.demo.llama3 import stack_70b
+      >>> m = stack_70b()
+      >>> round((m.layers * m.layer_params + m.other_params) / 1e9, 2)
+      70.55
+    """
+    return stack_model(LLAMA_3_70B)

@@ -55,6 +55,11 @@ def expert_mesh(experts: int, devices: Any = None, expert_degree: int | None = N
     return Mesh(devices.reshape(devices.size // m, m), ("data", "expert"))
 
 
+def as_expert_mesh(mesh: Mesh, experts: int) -> Mesh:
+    """``mesh`` if it is already ``(data, expert)``, else :func:`expert_mesh` over its devices (for plan builders)."""
+    return mesh if mesh.axis_names == ("data", "expert") else expert_mesh(experts, mesh.devices)
+
+
 def init_params(cfg: MoEConfig, seed: int = 0) -> tuple[Any, dict]:
     """The model's graph definition and its parameters as a plain dict (``nnx.split``, pure values)."""
     graphdef, state = nnx.split(Mixtral(cfg, nnx.Rngs(seed)))
@@ -74,6 +79,29 @@ def shard_mixtral(params: dict, mesh: Mesh, mp_policy: js.MixedPrecisionPolicy |
     return js.fully_shard({**params, "blocks": blocks}, mesh, dense)
 
 
+def shard_mixtral_nnx(model: Mixtral, mesh: Mesh, mp_policy: js.MixedPrecisionPolicy | None = None) -> Mixtral:
+    """:func:`shard_mixtral`'s layout through the NNX adapter, in place: each ``Experts`` module a unit
+    over ``data`` with its Params first placed over ``expert``, then the model over every device.
+
+    Example:
+      >>> cfg = MoEConfig(vocab=16, dim=8, heads=2, layers=1, experts=4, hidden=12, expert_axis="expert")
+      >>> model = shard_mixtral_nnx(Mixtral(cfg, nnx.Rngs(0)), expert_mesh(cfg.experts))
+      >>> model.blocks[0].moe.experts.w_up.get_value().sharding.spec
+      P('expert', 'data')
+    """
+    from jshard.flax import nnx as jnnx
+
+    mp = mp_policy or js.MixedPrecisionPolicy()
+    on_data = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard="data"), mp_policy=mp)
+    split = NamedSharding(mesh, P("expert"))
+    for block in model.blocks:
+        for param in (block.moe.experts.w_gate, block.moe.experts.w_up, block.moe.experts.w_down):
+            param.set_value(_place(param.get_value(), split))
+        jnnx.fully_shard(block.moe.experts, mesh, on_data)
+    dense = js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("data", "expert")), mp_policy=mp)
+    return jnnx.fully_shard(model, mesh, dense)
+
+
 def _place(w: Any, sharding: NamedSharding) -> Any:
     if isinstance(w, jax.ShapeDtypeStruct):  # planning: abstract leaves stay abstract
         return jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding)
@@ -81,7 +109,7 @@ def _place(w: Any, sharding: NamedSharding) -> Any:
 
 
 def train_step(graphdef: Any, optimizer: optax.GradientTransformation, *, sharded: bool = True) -> Callable:
-    """``step(params, opt_state, tokens) -> (params, opt_state, loss)``; ``sharded=False``: ``jax.value_and_grad``.
+    """The NNX model's ``step(params, opt_state, tokens) -> (params, opt_state, loss)`` (:func:`loss_step`).
 
     ``graphdef`` says where the experts live: from a config with ``expert_axis="expert"`` for the
     sharded step, with ``expert_axis=None`` for the one-device reference.
@@ -90,6 +118,23 @@ def train_step(graphdef: Any, optimizer: optax.GradientTransformation, *, sharde
     def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
         return lm_loss(nnx.merge(graphdef, params), tokens)
 
+    return loss_step(loss_fn, optimizer, sharded=sharded)
+
+
+def loss_step(loss_fn: Callable[[Any, jax.Array], jax.Array], optimizer: optax.GradientTransformation, *,
+              sharded: bool = True) -> Callable:
+    """The training step of any ``loss_fn(params, tokens)`` (the NNX model's, or :mod:`jshard.demo.moe_jax`'s).
+
+    Example:
+      >>> from jshard.demo import moe_jax
+      >>> cfg = MoEConfig(vocab=16, dim=8, heads=2, layers=1, experts=4, hidden=12)
+      >>> tx = optax.sgd(0.1)
+      >>> step = jax.jit(loss_step(lambda p, t: moe_jax.lm_loss(p, t, cfg), tx, sharded=False))
+      >>> params = moe_jax.init_params(cfg, jax.random.key(0))
+      >>> _, _, loss = step(params, tx.init(params), jax.numpy.zeros((2, 5), jax.numpy.int32))
+      >>> loss.shape
+      ()
+    """
     grad_fn = js.value_and_grad(loss_fn) if sharded else jax.value_and_grad(loss_fn)
 
     def step(params: Any, opt_state: Any, tokens: jax.Array) -> tuple[Any, Any, jax.Array]:
@@ -151,7 +196,7 @@ def build_mixtral(mesh: Mesh, config: Any = None, cfg: MoEConfig = MIXTRAL_8X7B,
     from jshard.report import PlanConfig, abstract_result
 
     config = config or PlanConfig()
-    mesh = expert_mesh(cfg.experts, mesh.devices)
+    mesh = as_expert_mesh(mesh, cfg.experts)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Mixtral(cfg, nnx.Rngs(0))))
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if config.mixed_precision \
         else None

@@ -15,6 +15,7 @@ from typing import Any
 
 from flax import nnx
 
+from jshard._sharding.step_axes import leaf_view
 from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard._step.gather import is_layer_slice
 from jshard._step.unit_gather import gather_for_compute, per_layer
@@ -41,9 +42,10 @@ class GuardedParam:
     """Mixed into the class of every sharded Param: inside the step, refuses to hand out a
     shard where the parameter is expected (its module's parameters are not gathered).
 
-    A shard is recognised by its shape (metadata ``jshard_shards``: the local shard's shape
-    and, for stacked leaves, one layer's), which survives ``nnx.scan`` / ``nnx.remat``
-    copying the Variable; a leaf whose shard has its full shape is not checked.
+    A shard is recognised by its shape: the local shard's shape and, for stacked leaves, one
+    layer's, as the step sees them (:func:`step_shard_shapes`, from the leaf's layout in the
+    metadata ``jshard_layout``, which survives ``nnx.scan`` / ``nnx.remat`` copying the
+    Variable); a leaf whose shard has its full shape is not checked.
     """
 
     __slots__ = ()
@@ -51,9 +53,17 @@ class GuardedParam:
     def get_value(self, **kwargs: Any) -> Any:
         step = nnx_step()
         if step is not None and step.holds_shards:
-            if tuple(getattr(self.get_raw_value(), "shape", ())) in self.get_metadata().get("jshard_shards", ()):
+            shards = step_shard_shapes(*self.get_metadata()["jshard_layout"], step.axes)
+            if tuple(getattr(self.get_raw_value(), "shape", ())) in shards:
                 raise RuntimeError(READ_SHARD.format(path=self.get_metadata().get("jshard_path", "?")))
         return super().get_value(**kwargs)
+
+
+def step_shard_shapes(layout: Any, axes: Any, scan_axis: int | None, step_axes: Any) -> tuple[tuple[int, ...], ...]:
+    """:func:`shard_shapes` inside a step manual over ``step_axes``: a dim split over a model
+    axis the step is manual over holds this device's block (an expert unit's local experts,
+    [Note: step axes])."""
+    return shard_shapes(*leaf_view(layout, axes, step_axes), scan_axis)
 
 
 def shard_shapes(layout: Any, axes: Any, scan_axis: int | None) -> tuple[tuple[int, ...], ...]:

@@ -83,10 +83,9 @@ def _check_can_shard(module: Any) -> None:
 
 
 def _guard(param: Any, layout: Any, meta: Any) -> None:
-    shapes = shard_shapes(layout, meta.axes, meta.policy.scan_axis)
-    if shapes:
+    if shard_shapes(layout, meta.axes, meta.policy.scan_axis):
         param.__class__ = guarded_class(type(param))
-        param.set_metadata(jshard_shards=shapes)
+        param.set_metadata(jshard_layout=(layout, meta.axes, meta.policy.scan_axis))
 
 
 def _stamp(module: Any, subs: list[tuple[Path, Any]]) -> None:

@@ -1,0 +1,134 @@
+"""The pipeline's compiled step against its analytic figures (docs/parallelism.md "Pipeline stages").
+
+For (S, L) in (2, 5), (4, 7), M in (S, 2S) and both gather policies, compiles (only) the
+step of a ``width``-wide residual MLP stack between two dense layers on 8 devices as
+``(stage S, fsdp 8/S)`` and prints, per device: the schedule loop's trip count and the bubble
+``(S-1)/trip``; ``ppermute`` bytes against ``2 (M+S-1)`` microbatches; the stack's all-gather
+and reduce-scatter bytes over ``fsdp`` against the policy's figure (f32); all-reduce bytes;
+arguments against the analytic sum; temporaries; matmul FLOPs per device against the one-device
+step's / 8 times ``(M+S-1)/M x S K/L`` (the bubble and the identity layers).
+
+    python -m benchmarks.pipeline_program                 # 8 simulated CPU devices
+    python -m benchmarks.pipeline_program --target tpu    # XLA:TPU, v5p 2x2x2, compile only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+D_IN = D_OUT = 8  # the stack dominates the step
+
+
+def _devices(target: str) -> list:
+    import jax
+
+    if target == "tpu":
+        from jax.experimental import topologies
+
+        return list(topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices)
+    return jax.devices()
+
+
+def _layer(h, p):
+    import jax.numpy as jnp
+
+    return h + jnp.tanh(h @ p["w"] + p["b"])
+
+
+def _one_device_flops(layers: int, width: int, batch: int) -> float:
+    """Matmul FLOPs of the same step unsharded, on one device (compiled only)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jshard._report.flops import matmul_flops
+
+    sds = jax.ShapeDtypeStruct
+    params = {"w_in": sds((D_IN, width), jnp.float32), "w_out": sds((width, D_OUT), jnp.float32),
+              "stack": {"w": sds((layers, width, width), jnp.float32), "b": sds((layers, width), jnp.float32)}}
+
+    def loss_fn(p, b):
+        h = jax.lax.scan(lambda h, layer: (_layer(h, layer), None), jnp.tanh(b["x"] @ p["w_in"]), p["stack"])[0]
+        return jnp.mean((h @ p["w_out"] - b["y"]) ** 2)
+
+    data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}
+    return matmul_flops(jax.jit(jax.value_and_grad(loss_fn)).lower(params, data).compile().as_text())
+
+
+def pipeline_step(devices, stages: int, layers: int, width: int, batch: int, policy):
+    """The benchmark's pipelined step on ``devices`` as ``(stage, fsdp)``: ``(mesh, lowered, compiled)``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jshard as js
+
+    sds = jax.ShapeDtypeStruct
+    mesh = Mesh(np.asarray(devices).reshape(stages, 8 // stages), ("stage", "fsdp"))
+    stack = js.fully_shard(js.stage_layers({"w": sds((layers, width, width), jnp.float32),
+                                            "b": sds((layers, width), jnp.float32)}, mesh), mesh,
+                           js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp")))
+    params = js.fully_shard({"w_in": sds((D_IN, width), jnp.float32), "w_out": sds((width, D_OUT), jnp.float32),
+                             "stack": stack}, mesh,
+                            js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
+
+    def loss_fn(p, b):
+        dense = js.unshard(p)
+        h = js.pipeline(_layer, jnp.tanh(b["x"] @ dense["w_in"]), p["stack"], policy=policy)
+        return jnp.mean((h @ dense["w_out"] - b["y"]) ** 2)
+
+    data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}
+    lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(params, data)
+    return mesh, lowered, lowered.compile()
+
+
+def _row(devices, stages: int, layers: int, m: int, gather: str, width: int, batch: int) -> str:
+    import jshard as js
+    from jshard._report.flops import matmul_flops
+    from jshard._report.step_collectives import step_collectives
+
+    policy = js.PipelinePolicy(microbatches=m, gather=gather)
+    mesh, lowered, compiled = pipeline_step(devices, stages, layers, width, batch, policy)
+    fsdp, per_stage, ticks = 8 // stages, -(-layers // stages), m + stages - 1
+    found = step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    stack = [c for c in found if c.axes == ("fsdp",)]
+    sent = {kind: sum(c.wire_bytes_per_step for c in stack if c.kind == kind)
+            for kind in ("all-gather", "reduce-scatter")}
+    layer_bytes, share = (width * width + width) * 4, (fsdp - 1) / fsdp
+    steps = ticks if gather == "per_microbatch" else 1
+    gathered = steps * per_stage * layer_bytes * share  # the forward gathers (backward's re-gathers come on top)
+    microbatch = batch // fsdp // m * width * 4
+    args = (D_IN * width // 8 + width * D_OUT // 8 + stages * per_stage * (width * width + width) // 8
+            + batch // 8 * (D_IN + D_OUT)) * 4
+    memory = compiled.memory_analysis()
+    work = matmul_flops(compiled.as_text()) / (_one_device_flops(layers, width, batch) / 8)
+    return (f"S={stages} F={fsdp} L={layers} K={per_stage} M={m} {gather:14s} "
+            f"trip={sorted({c.trip_count for c in permutes})} bubble={(stages - 1) / permutes[0].trip_count:.3f} "
+            f"ppermute={sum(c.wire_bytes_per_step for c in permutes):.0f}/{2 * ticks * microbatch} "
+            f"all-gather={sent['all-gather'] / gathered:.3f} reduce-scatter={sent['reduce-scatter'] / gathered:.3f} "
+            f"(x forward gathers) all-reduce={sum(c.wire_bytes_per_step for c in found if c.kind == 'all-reduce'):.0f} "
+            f"args={memory.argument_size_in_bytes}/{args} temp={memory.temp_size_in_bytes / 2**20:.2f} MiB "
+            f"flops={work:.3f}/{ticks / m * stages * per_stage / layers:.3f} (x one device's / 8)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=("cpu", "tpu"), default="cpu")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if args.target == "cpu":
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    devices = _devices(args.target)
+    for stages, layers in ((2, 5), (4, 7)):
+        for m in (stages, 2 * stages):
+            for gather in ("per_microbatch", "once"):
+                print(_row(devices, stages, layers, m, gather, args.width, args.batch), flush=True)
+
+
+if __name__ == "__main__":
+    main()
