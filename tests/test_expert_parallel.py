@@ -143,15 +143,31 @@ def test_unit_buffer_keeps_leaves_reduced_over_different_axes_apart():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), js.unshard(grads), want)
 
 
-def test_global_norm_clipping_is_exact_across_units_on_different_axes():
+TRANSFORMATIONS = {  # each reads parameters or gradients across leaves, or keeps state unlike them
+    "clip_by_global_norm": lambda: optax.clip_by_global_norm(0.05),  # one norm over every unit
+    "lamb": lambda: optax.lamb(0.1),  # a trust ratio per leaf: norms of whole expert leaves
+    "adafactor": lambda: optax.adafactor(0.1, min_dim_size_to_factor=4),  # factored moments, not parameter-shaped
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+def test_optax_transformations_are_exact_across_units_on_different_axes(name):
+    """``js.shard_optimizer`` over expert units (over ``data``, split over ``expert``) beside dense
+    ones (over both): three updates equal the unsharded ones."""
     mesh, params, batch = _mesh(2), _params(), _batch()
     grads = jax.jit(jax.grad(_loss))(params, batch)
-    tx = optax.clip_by_global_norm(0.05)
-    want, _ = jax.jit(tx.update)(grads, tx.init(grads))
-    sharded_tx = shard_optimizer(tx)
-    sharded_grads = _sharded(grads, mesh)
-    got, _ = sharded_tx.update(sharded_grads, sharded_tx.init(sharded_grads))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), js.unshard(got), want)
+    tx, sharded_tx = TRANSFORMATIONS[name](), shard_optimizer(TRANSFORMATIONS[name]())
+    sharded, sharded_grads = _sharded(params, mesh), _sharded(grads, mesh)
+    with jax.numpy_dtype_promotion("standard"):  # as Optax runs (lamb adds a Python float to a step count)
+        state, sharded_state = tx.init(params), sharded_tx.init(sharded)
+        update, sharded_update = jax.jit(tx.update), jax.jit(sharded_tx.update)
+        for _ in range(3):
+            updates, state = update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            sharded_updates, sharded_state = sharded_update(sharded_grads, sharded_state, sharded)
+            sharded = optax.apply_updates(sharded, sharded_updates)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), js.unshard(sharded), params)
 
 
 def test_units_on_two_meshes_are_refused_with_how_to_build_one():
