@@ -213,7 +213,10 @@ def unpad_layers(x: Any, layout: LeafLayout) -> Any:
 
 def pad_layers(x: Any, layout: LeafLayout) -> Any:
     """``x`` of ``layout.unpadded_shape`` zero-padded to the stack's layer slots (NumPy stays NumPy)."""
-    if layout.layers is None:
-        return x
-    widths = [(0, layout.shape[0] - layout.layers)] + [(0, 0)] * (np.ndim(x) - 1)
+    return x if layout.layers is None else pad_layer_slots(x, layout.shape[0])
+
+
+def pad_layer_slots(x: Any, slots: int) -> Any:
+    """``x`` zero-padded on axis 0 to ``slots`` layers (NumPy stays NumPy)."""
+    widths = [(0, slots - np.shape(x)[0])] + [(0, 0)] * (np.ndim(x) - 1)
     return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)

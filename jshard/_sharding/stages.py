@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jshard._sharding.layout import pad_layer_slots
+
 
 @jax.tree_util.register_pytree_node_class
 class StagedLayers:
@@ -123,7 +125,7 @@ def stage_layers(stack: Any, mesh: Mesh, axis: str = "stage") -> StagedLayers:
         sharding = _stage_sharding(x, mesh, axis)
         if isinstance(x, jax.ShapeDtypeStruct):  # planning: the abstract stack, placed the same way
             return jax.ShapeDtypeStruct((padded,) + x.shape[1:], x.dtype, sharding=sharding)
-        x = jnp.pad(jnp.asarray(x), [(0, padded - layers)] + [(0, 0)] * (x.ndim - 1))
+        x = pad_layer_slots(jnp.asarray(x), padded)
         return jax.device_put(x, sharding)
 
     return StagedLayers(jax.tree.map(place, stack), layers)
