@@ -189,9 +189,14 @@ def _jshard(m: Model, mesh: Mesh) -> dict[str, float]:
     return _compiled(*jshard_step(m, mesh))
 
 
-def measure(m: Model, mesh: Mesh) -> dict[str, dict[str, float]]:
-    """Peak bytes and matmul FLOPs per device of each variant's step."""
-    results = {"recipe": _recipe(m, mesh, False), "constrained": _recipe(m, mesh, True), "jshard": _jshard(m, mesh)}
+VARIANTS = ("recipe", "constrained", "jshard")
+
+
+def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS) -> dict[str, dict[str, float]]:
+    """Peak bytes and matmul FLOPs per device of each variant's step (``variants``: which to compile)."""
+    compile_variant = {"recipe": lambda: _recipe(m, mesh, False), "constrained": lambda: _recipe(m, mesh, True),
+                       "jshard": lambda: _jshard(m, mesh)}
+    results = {v: compile_variant[v]() for v in variants}
     return {"peak_bytes": {v: r["peak"] for v, r in results.items()},
             "flops": {v: r["flops"] for v, r in results.items()}}
 

@@ -178,9 +178,9 @@ def test_a_stacked_layer_of_one_large_leaf_keeps_the_in_place_all_reduce_on_v5p(
 
     mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
     model = memory_sweep.Model("tanh", True, 4, 512, 64, remat=False)
-    recipe = memory_sweep.measure(model, mesh)["peak_bytes"]
+    recipe = memory_sweep.measure(model, mesh, ("recipe", "jshard"))["peak_bytes"]
     monkeypatch.setattr(unit_gather, "phases_pay_off", lambda sizes, in_loop: True)
-    phased = memory_sweep.measure(model, mesh)["peak_bytes"]["jshard"]
+    phased = memory_sweep.measure(model, mesh, ("jshard",))["peak_bytes"]["jshard"]
     assert recipe["jshard"] < phased
     assert recipe["jshard"] <= 1.01 * recipe["recipe"]
 
@@ -195,9 +195,9 @@ def test_a_stacked_transformer_stores_residuals_as_plain_differentiation_on_v5p(
 
     mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
     model = memory_sweep.Model("transformer", True, 4, 128, 16, remat=False)
-    plain = memory_sweep.measure(model, mesh)["peak_bytes"]["jshard"]
+    plain = memory_sweep.measure(model, mesh, ("jshard",))["peak_bytes"]["jshard"]
     monkeypatch.setattr(value_and_grad, "without_residual_rounding", lambda f: f)
-    rounded = memory_sweep.measure(model, mesh)["peak_bytes"]["jshard"]
+    rounded = memory_sweep.measure(model, mesh, ("jshard",))["peak_bytes"]["jshard"]
     assert plain < rounded
 
 
@@ -338,9 +338,9 @@ ASYNC_COLLECTIVE_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
                           "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
 
 
-def _gather_schedule(per: str, flags: str) -> list[dict]:
+def _gather_schedules(flags: str, *pers: str) -> dict[str, list[dict]]:
     env = {**os.environ, "LIBTPU_INIT_ARGS": flags, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "tpu_gather_schedule.py"), "512", per], env=env,
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "tpu_gather_schedule.py"), "512", *pers], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -353,10 +353,11 @@ def test_all_gathers_overlap_the_previous_layers_matmuls_under_the_async_collect
     per-leaf gathers, 4 of 7 per-unit ones, 1-4 matmuls each; the first layer's has nothing to
     overlap and XLA overlaps one collective at a time). 13 and 7: the last unit's backward uses
     its forward gather ([Note: unrolled units]), the first unit's input needs no gradient."""
-    plain = _gather_schedule("leaf", "")
+    plain = _gather_schedules("", "leaf")["leaf"]
     assert len(plain) == 13 and not any(g["asynchronous"] for g in plain)
+    schedules = _gather_schedules(ASYNC_COLLECTIVE_FLAGS, "leaf", "unit")
     for per, gathers in (("leaf", 13), ("unit", 7)):
-        schedule = _gather_schedule(per, ASYNC_COLLECTIVE_FLAGS)
+        schedule = schedules[per]
         overlapped = [g["matmuls_overlapped"] for g in schedule if g["asynchronous"]]
         assert len(schedule) == gathers and len(overlapped) > gathers / 2
         assert min(overlapped) >= 1

@@ -3,9 +3,11 @@
 Usage (joins the job itself: runs with or without jshard.launch):
   faults.py hang STEPS [plain]   process 1 sleeps in its data loading at step 3 (plain: a loop that does
                                  not mark its steps; only js.global_batch tells the watchdog)
-  faults.py preempt OUT STEPS    train with a CheckpointManager in OUT; resume from its latest step;
+  faults.py preempt OUT STEPS [reference]
+                                 train with a CheckpointManager in OUT; resume from its latest step;
                                  on SIGTERM save at the agreed step and exit PREEMPTED_EXIT; at the
-                                 end process 0 writes OUT/final.npz
+                                 end process 0 writes OUT/final.npz (reference: then trains STEPS
+                                 more from the initial state, uninterrupted, into OUT/uninterrupted.npz)
   faults.py finite OUT           optax.apply_if_finite with an Inf put on one device of process 1
 """
 
@@ -54,8 +56,18 @@ if mode == "hang":
 elif mode == "preempt":
     out, total = sys.argv[2], int(sys.argv[3])
     data = batches(total)
-    params = shard(init_params(), mesh)
-    state = {"params": params, "opt_state": OPTIMIZER.init(params)}
+
+    def initial_state():
+        params = shard(init_params(), mesh)
+        return {"params": params, "opt_state": OPTIMIZER.init(params)}
+
+    def save_final(state, name):
+        full = js.unshard(state["params"])
+        if me == 0:
+            flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree.flatten_with_path(full)[0]}
+            np.savez(os.path.join(out, name), **flat)
+
+    state = initial_state()
     ckpt = CheckpointManager(os.path.join(out, "ckpt"))
     start = 0
     if ckpt.latest_step() is not None:
@@ -72,10 +84,13 @@ elif mode == "preempt":
         state = {"params": params, "opt_state": opt_state}
         print(f"step {k} loss {float(loss):.6f}", flush=True)
         time.sleep(0.3)
-    full = js.unshard(state["params"])
-    if me == 0:
-        flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree.flatten_with_path(full)[0]}
-        np.savez(os.path.join(out, "final.npz"), **flat)
+    save_final(state, "final.npz")
+    if sys.argv[4:] == ["reference"]:  # the same steps in this process, never interrupted (no new compile)
+        state = initial_state()
+        for k in range(total):
+            params, opt_state, _ = train_step(state["params"], state["opt_state"], load_batch(data, k))
+            state = {"params": params, "opt_state": opt_state}
+        save_final(state, "uninterrupted.npz")
     print("finished", flush=True)
 
 elif mode == "finite":
