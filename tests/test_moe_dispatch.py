@@ -34,7 +34,9 @@ def test_gspmd_dispatch_gives_the_one_device_gradients():
         lowered = grad_fn.lower(placed, tokens)
         loss, grads = lowered.compile()(placed, tokens)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, want)
+    # GSPMD sums partial products in another order: entries near zero differ by up to ~1e-7 absolute
+    # (1.2e-7 measured on an entry of 1.7e-3, about 1e-6 of the leaf's largest entries: 0.14).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, want)
     assert "all_to_all" not in lowered.as_text()
     assert any(c.kind == "all-to-all" for c in hlo_collectives(lowered.compile().as_text()))
 
