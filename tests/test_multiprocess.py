@@ -236,7 +236,7 @@ def _wait_for(log: Path, text: str, procs: list[subprocess.Popen], timeout_s: fl
 # Killing process 1 ends process 0 by the heartbeat timeout, as process 1 raising does (default run).
 @pytest.mark.parametrize("victim, how", [pytest.param(1, "kill", marks=pytest.mark.slow), (0, "kill"), (1, "raise")])
 def test_a_failed_process_ends_the_others_without_the_launcher(tmp_path, victim, how):
-    heartbeat_s = 10
+    heartbeat_s = 5
     args = ["200"] if how == "kill" else ["200", "2", str(victim)]  # bounded even if orphaned
     procs, logs = _start_job(tmp_path, args, heartbeat_s)
     try:
