@@ -1,0 +1,131 @@
+"""Pipeline stages over FSDP for Flax stacks: an NNX stack made with ``nnx.vmap`` run as S stages
+over ``stage`` with the user's layer module as the body, against the same model on one device
+([Note: NNX pipeline])."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jshard as js
+from jshard.flax import nnx as jnnx
+
+D_IN, D, D_OUT, BATCH, LAYERS, STEPS = 5, 6, 3, 16, 5, 4
+POLICY = js.PipelinePolicy(microbatches=4)
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.asarray(jax.devices()).reshape(2, 4), ("stage", "fsdp"))
+
+
+def _batch() -> dict:
+    rng = np.random.default_rng(1)
+    return {"x": rng.normal(size=(BATCH, D_IN)).astype(np.float32),
+            "y": rng.normal(size=(BATCH, D_OUT)).astype(np.float32)}
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, h):
+        return h + jnp.tanh(self.mlp(self.norm(h)))
+
+
+class Stacked(nnx.Module):
+    """Flax's scanned stack: blocks made with ``nnx.vmap`` over split rngs; run with ``nnx.scan``
+    (``pipeline=False``, the one-device reference) or ``jnnx.pipeline``."""
+
+    def __init__(self, rngs: nnx.Rngs, pipeline: bool):
+        self.w_in = nnx.Linear(D_IN, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rngs)
+
+        self.blocks = create(rngs)
+        self.w_out = nnx.Linear(D, D_OUT, rngs=rngs)
+        self.pipeline = pipeline
+
+    def __call__(self, x):
+        h = jnp.tanh(self.w_in(x))
+        if self.pipeline:
+            h = jnnx.pipeline(lambda h, block: block(h), h, self.blocks, policy=POLICY)
+        else:
+            h = nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(h, self.blocks)
+        return self.w_out(h)
+
+
+def _nnx_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _on_mesh(tree, mesh):
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), tree)
+
+
+def _nnx_train(model, grad_fn, mesh=None):
+    optimizer = nnx.Optimizer(model, optax.adamw(3e-2, weight_decay=0.1), wrt=nnx.Param)
+    if mesh is not None:
+        nnx.update(optimizer, _on_mesh(nnx.state(optimizer), mesh))
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        loss, grads = grad_fn(_nnx_loss)(model, batch)
+        with jax.numpy_dtype_promotion("standard"):  # Optax's Adam raises a Python float to its int32 count
+            optimizer.update(model, grads)
+        return loss
+
+    return [float(step(model, optimizer, _batch())) for _ in range(STEPS)]
+
+
+def test_nnx_stack_runs_as_pipeline_stages():
+    """An ``nnx.vmap`` stack of L=5 blocks (LayerNorm + Linear) as 2 stages of 3 (one padding
+    layer) over (stage 2 x fsdp 4), M=4: 4 AdamW steps, fp32, losses and parameters within 1e-5
+    of the same model run with ``nnx.scan`` on one device; the padding slot stays zero."""
+    mesh = _mesh()
+    reference = Stacked(nnx.Rngs(0), pipeline=False)
+    ref_losses = _nnx_train(reference, nnx.value_and_grad)
+    model = Stacked(nnx.Rngs(0), pipeline=True)
+    on_fsdp = js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"))
+    jnnx.fully_shard(model.blocks, mesh, on_fsdp, stages="stage")
+    jnnx.fully_shard(model, mesh, js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
+    kernel = model.blocks.mlp.kernel.get_value()
+    assert kernel.shape == (6, 8, D) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
+    losses = _nnx_train(model, jnnx.value_and_grad, mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert not np.any(np.asarray(model.blocks.mlp.kernel.get_value())[LAYERS:])
+    got = nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))
+    want = nnx.to_pure_dict(nnx.state(reference, nnx.Param))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+    assert float(jnp.abs(model(_batch()["x"]) - reference(_batch()["x"])).max()) < 1e-5  # gathered: a plain scan
+    jnnx.reshard(model)
+    assert model.blocks.mlp.kernel.get_value().shape == (6, 8, D)
+
+
+def test_nnx_pipeline_misuse_is_named():
+    mesh = _mesh()
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nnx.BatchNorm(D, rngs=rngs)
+
+    with pytest.raises(ValueError, match=r"jnnx.pipeline runs stacks whose only state is nnx.Param, but module "
+                                         r"BatchNorm holds \['mean'\]\S* of shape \(5, 6\) \(not a Param\)"):
+        jnnx.pipeline(lambda h, norm: norm(h), jnp.ones((2, D)), create(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"a stack of 5 layers laid out as pipeline stages with "
+                                         r"FullyShardPolicy\(scan_axis=None\); pass FullyShardPolicy\(scan_axis=0"):
+        jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh, stages="stage")
+    blocks = jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh,
+                              js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp")),
+                              stages="stage")
+    with pytest.raises(RuntimeError, match=r"the root module \(Block\) is fully sharded and was called outside the "
+                                           r"step"):
+        jnnx.pipeline(lambda h, block: block(h), jnp.ones((2, D)), blocks)
