@@ -1,7 +1,10 @@
-"""Pipeline stages over FSDP for Flax stacks: an NNX stack made with ``nnx.vmap`` run as S stages
-over ``stage`` with the user's layer module as the body, against the same model on one device
-([Note: NNX pipeline])."""
+"""Pipeline stages over FSDP for Flax stacks: an NNX stack made with ``nnx.vmap`` and a Linen
+``nn.scan`` stack, each run as S stages over ``stage`` with the user's layer module as the body,
+against the same model on one device ([Note: NNX pipeline], [Note: Linen pipeline])."""
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +14,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jshard as js
+from jshard.flax import linen as jlinen
 from jshard.flax import nnx as jnnx
 
-D_IN, D, D_OUT, BATCH, LAYERS, STEPS = 5, 6, 3, 16, 5, 4
+D_IN, D, D_OUT, BATCH, LAYERS, STEPS = 5, 6, 3, 16, 5, 3
 POLICY = js.PipelinePolicy(microbatches=4)
+FSDP, STAGE_FSDP = js.DataParallelMeshDims(shard="fsdp"), js.DataParallelMeshDims(shard=("stage", "fsdp"))
 
 
 def _mesh() -> Mesh:
@@ -87,15 +92,14 @@ def _nnx_train(model, grad_fn, mesh=None):
 
 def test_nnx_stack_runs_as_pipeline_stages():
     """An ``nnx.vmap`` stack of L=5 blocks (LayerNorm + Linear) as 2 stages of 3 (one padding
-    layer) over (stage 2 x fsdp 4), M=4: 4 AdamW steps, fp32, losses and parameters within 1e-5
+    layer) over (stage 2 x fsdp 4), M=4: 3 AdamW steps, fp32, losses and parameters within 1e-5
     of the same model run with ``nnx.scan`` on one device; the padding slot stays zero."""
     mesh = _mesh()
     reference = Stacked(nnx.Rngs(0), pipeline=False)
     ref_losses = _nnx_train(reference, nnx.value_and_grad)
     model = Stacked(nnx.Rngs(0), pipeline=True)
-    on_fsdp = js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"))
-    jnnx.fully_shard(model.blocks, mesh, on_fsdp, stages="stage")
-    jnnx.fully_shard(model, mesh, js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
+    jnnx.fully_shard(model.blocks, mesh, js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=FSDP), stages="stage")
+    jnnx.fully_shard(model, mesh, js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP))
     kernel = model.blocks.mlp.kernel.get_value()
     assert kernel.shape == (6, 8, D) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
     losses = _nnx_train(model, jnnx.value_and_grad, mesh)
@@ -124,8 +128,80 @@ def test_nnx_pipeline_misuse_is_named():
                                          r"FullyShardPolicy\(scan_axis=None\); pass FullyShardPolicy\(scan_axis=0"):
         jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh, stages="stage")
     blocks = jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh,
-                              js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp")),
-                              stages="stage")
+                              js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=FSDP), stages="stage")
     with pytest.raises(RuntimeError, match=r"the root module \(Block\) is fully sharded and was called outside the "
                                            r"step"):
         jnnx.pipeline(lambda h, block: block(h), jnp.ones((2, D)), blocks)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + jnp.tanh(nn.Dense(D, name="mlp")(nn.LayerNorm(name="norm")(h))), None
+
+
+class LinenModel(nn.Module):
+    """A Linen stack over ``nn.scan`` (``stack=None``, the one-device reference), or the stack class given."""
+
+    stack: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(D, name="w_in")(x))
+        if self.stack is None:
+            stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+            h, _ = stack(name="blocks")(h, None)
+        else:
+            h = self.stack(name="blocks")(h)
+        return nn.Dense(D_OUT, name="w_out")(h)
+
+
+def _linen_train(params, grad_fn, apply):
+    tx = optax.adamw(3e-2, weight_decay=0.1)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, grads = grad_fn(lambda p, b: jnp.mean((apply({"params": p}, b["x"]) - b["y"]) ** 2))(params, batch)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, state = tx.update(grads, state, params)
+        return loss, optax.apply_updates(params, updates), state
+
+    state, losses = tx.init(params), []
+    for _ in range(STEPS):
+        loss, params, state = step(params, state, _batch())
+        losses.append(float(loss))
+    return losses, params
+
+
+def test_linen_stack_runs_as_pipeline_stages():
+    """An ``nn.scan`` stack of L=5 blocks (LayerNorm + Dense) as 2 stages of 3 over (stage 2 x fsdp 4),
+    M=4: 3 AdamW steps, fp32, losses and parameters within 1e-5 of the ``nn.scan`` model on one device."""
+    mesh = _mesh()
+    reference = LinenModel()
+    params = reference.init(jax.random.key(0), _batch()["x"])["params"]
+    ref_losses, ref_params = _linen_train(params, jax.value_and_grad, reference.apply)
+    block = jlinen.fully_shard(LinenBlock, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=FSDP))
+    root = jlinen.fully_shard(LinenModel, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP))
+    model = root(stack=jlinen.pipeline(block, length=LAYERS, policy=POLICY))
+    sharded = jlinen.shard_params(model, params, _batch()["x"])
+    kernel = sharded["blocks"]["mlp"]["kernel"]
+    assert kernel.shape == (6, 8, D) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
+    losses, sharded = _linen_train(sharded, jlinen.value_and_grad, model.apply)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert not np.any(np.asarray(sharded["blocks"]["mlp"]["kernel"])[LAYERS:])
+    full = js.unshard(sharded)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref_params)
+    evaluated = model.apply({"params": full}, _batch()["x"])  # outside the step: the nn.scan
+    np.testing.assert_allclose(evaluated, reference.apply({"params": ref_params}, _batch()["x"]), rtol=1e-5, atol=1e-6)
+
+
+def test_linen_pipeline_of_an_unwrapped_block_is_named():
+    mesh = _mesh()
+    root = jlinen.fully_shard(LinenModel, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP))
+    model = root(stack=jlinen.pipeline(LinenBlock, length=LAYERS))
+    params = LinenModel().init(jax.random.key(0), _batch()["x"])["params"]
+    sharded = jlinen.shard_params(model, params, _batch()["x"])
+    loss_fn = lambda p, b: jnp.mean(model.apply({"params": p}, b["x"]))  # noqa: E731
+    with pytest.raises(ValueError, match=r"The pipeline stack at `blocks` is not a unit of the step: .* its block "
+                                         r"wrapped with jshard.flax.linen.fully_shard"):
+        jax.jit(jlinen.value_and_grad(loss_fn))(sharded, _batch())
