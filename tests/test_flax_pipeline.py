@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import docs_example_output
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jshard as js
@@ -127,6 +128,10 @@ def test_nnx_pipeline_misuse_is_named():
     with pytest.raises(ValueError, match=r"a stack of 5 layers laid out as pipeline stages with "
                                          r"FullyShardPolicy\(scan_axis=None\); pass FullyShardPolicy\(scan_axis=0"):
         jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh, stages="stage")
+    unstaged = jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh, js.FullyShardPolicy(scan_axis=0))
+    with pytest.raises(ValueError, match=r"the root module \(Block\) is sharded but not laid out as pipeline stages: "
+                                         r"shard the stack with .*stages='stage'\)"):
+        jnnx.pipeline(lambda h, block: block(h), jnp.ones((2, D)), unstaged)
     blocks = jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh,
                               js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=FSDP), stages="stage")
     with pytest.raises(RuntimeError, match=r"the root module \(Block\) is fully sharded and was called outside the "
@@ -205,3 +210,9 @@ def test_linen_pipeline_of_an_unwrapped_block_is_named():
     with pytest.raises(ValueError, match=r"The pipeline stack at `blocks` is not a unit of the step: .* its block "
                                          r"wrapped with jshard.flax.linen.fully_shard"):
         jax.jit(jlinen.value_and_grad(loss_fn))(sharded, _batch())
+
+
+@pytest.mark.parametrize("marker,last", [("pipeline-nnx-example", "True"), ("pipeline-linen-example", "True (32, 1)")])
+def test_the_docs_flax_pipeline_examples_run(marker, last, capsys):
+    printed = docs_example_output("docs/parallelism.md", marker, capsys)
+    assert printed[:2] == ["P('stage', 'fsdp')", last]

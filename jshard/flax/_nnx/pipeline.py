@@ -73,7 +73,7 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, module: 
     Raises:
       RuntimeError: a sharded stack called outside the step.
       ValueError: the stack holds state other than Params, or is not laid out as stages
-        (see :func:`jshard.pipeline`).
+        (``stages=`` of :func:`jshard.flax.nnx.fully_shard`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -90,6 +90,12 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, module: 
     state = unit_state(module)
     if state is None or state.unsharded:
         return _scan(body, x, module)
+    policy = PipelinePolicy() if policy is None else policy
+    if any(layout is None or layout.layers is None for layout in state.meta.layouts):
+        raise ValueError(
+            f"{describe(module)} is sharded but not laid out as pipeline stages: shard the stack with "
+            f"jnnx.fully_shard(module, mesh, js.FullyShardPolicy(scan_axis=0, ...), stages={policy.axis!r})."
+        )
     if active_step() is None:
         raise RuntimeError(OUTSIDE_STEP.format(module=describe(module)))
     step = current_step(module)
