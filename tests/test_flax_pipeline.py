@@ -19,12 +19,21 @@ from jshard.flax import linen as jlinen
 from jshard.flax import nnx as jnnx
 
 D_IN, D, D_OUT, BATCH, LAYERS, STEPS = 5, 6, 3, 16, 5, 3
-POLICY = js.PipelinePolicy(microbatches=4)
 FSDP, STAGE_FSDP = js.DataParallelMeshDims(shard="fsdp"), js.DataParallelMeshDims(shard=("stage", "fsdp"))
+CASES = [  # (stages, layers, microbatches, gather): L not divisible by S
+    (2, 5, 4, "per_microbatch"),
+    pytest.param(4, 7, 4, "once", marks=pytest.mark.slow),
+]
 
 
-def _mesh() -> Mesh:
-    return Mesh(np.asarray(jax.devices()).reshape(2, 4), ("stage", "fsdp"))
+def _mesh(stages: int = 2) -> Mesh:
+    return Mesh(np.asarray(jax.devices()).reshape(stages, 8 // stages), ("stage", "fsdp"))
+
+
+def _stored_shape(stages: int, layers: int) -> tuple[int, ...]:
+    """A block's stored ``(L, d, d)`` kernel: ``S * ceil(L / S)`` slots, dim 1 padded to the ``fsdp`` size."""
+    fsdp = 8 // stages
+    return (-(-layers // stages) * stages, -(-D // fsdp) * fsdp, D)
 
 
 def _batch() -> dict:
@@ -44,24 +53,24 @@ class Block(nnx.Module):
 
 class Stacked(nnx.Module):
     """Flax's scanned stack: blocks made with ``nnx.vmap`` over split rngs; run with ``nnx.scan``
-    (``pipeline=False``, the one-device reference) or ``jnnx.pipeline``."""
+    (``policy=None``, the one-device reference) or ``jnnx.pipeline``."""
 
-    def __init__(self, rngs: nnx.Rngs, pipeline: bool):
+    def __init__(self, rngs: nnx.Rngs, layers: int = LAYERS, policy: js.PipelinePolicy | None = None):
         self.w_in = nnx.Linear(D_IN, D, rngs=rngs)
 
-        @nnx.split_rngs(splits=LAYERS)
+        @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
             return Block(rngs)
 
         self.blocks = create(rngs)
         self.w_out = nnx.Linear(D, D_OUT, rngs=rngs)
-        self.pipeline = pipeline
+        self.pipeline_policy = policy
 
     def __call__(self, x):
         h = jnp.tanh(self.w_in(x))
-        if self.pipeline:
-            h = jnnx.pipeline(lambda h, block: block(h), h, self.blocks, policy=POLICY)
+        if self.pipeline_policy is not None:
+            h = jnnx.pipeline(lambda h, block: block(h), h, self.blocks, policy=self.pipeline_policy)
         else:
             h = nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(h, self.blocks)
         return self.w_out(h)
@@ -91,27 +100,29 @@ def _nnx_train(model, grad_fn, mesh=None):
     return [float(step(model, optimizer, _batch())) for _ in range(STEPS)]
 
 
-def test_nnx_stack_runs_as_pipeline_stages():
+@pytest.mark.parametrize("stages,layers,microbatches,gather", CASES)
+def test_nnx_stack_runs_as_pipeline_stages(stages, layers, microbatches, gather):
     """An ``nnx.vmap`` stack of L=5 blocks (LayerNorm + Linear) as 2 stages of 3 (one padding
-    layer) over (stage 2 x fsdp 4), M=4: 3 AdamW steps, fp32, losses and parameters within 1e-5
-    of the same model run with ``nnx.scan`` on one device; the padding slot stays zero."""
-    mesh = _mesh()
-    reference = Stacked(nnx.Rngs(0), pipeline=False)
+    layer) over (stage 2 x fsdp 4), M=4 (slow: L=7 on (stage 4 x fsdp 2), ``gather="once"``):
+    3 AdamW steps, fp32, losses and parameters within 1e-5 of the same model run with
+    ``nnx.scan`` on one device; the padding slots stay zero."""
+    mesh, policy = _mesh(stages), js.PipelinePolicy(microbatches=microbatches, gather=gather)
+    reference = Stacked(nnx.Rngs(0), layers)
     ref_losses = _nnx_train(reference, nnx.value_and_grad)
-    model = Stacked(nnx.Rngs(0), pipeline=True)
+    model = Stacked(nnx.Rngs(0), layers, policy)
     jnnx.fully_shard(model.blocks, mesh, js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=FSDP), stages="stage")
     jnnx.fully_shard(model, mesh, js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP))
     kernel = model.blocks.mlp.kernel.get_value()
-    assert kernel.shape == (6, 8, D) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
+    assert kernel.shape == _stored_shape(stages, layers) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
     losses = _nnx_train(model, jnnx.value_and_grad, mesh)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert not np.any(np.asarray(model.blocks.mlp.kernel.get_value())[LAYERS:])
+    assert not np.any(np.asarray(model.blocks.mlp.kernel.get_value())[layers:])
     got = nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))
     want = nnx.to_pure_dict(nnx.state(reference, nnx.Param))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
     assert float(jnp.abs(model(_batch()["x"]) - reference(_batch()["x"])).max()) < 1e-5  # gathered: a plain scan
     jnnx.reshard(model)
-    assert model.blocks.mlp.kernel.get_value().shape == (6, 8, D)
+    assert model.blocks.mlp.kernel.get_value().shape == _stored_shape(stages, layers)
 
 
 def test_nnx_pipeline_misuse_is_named():
@@ -127,12 +138,12 @@ def test_nnx_pipeline_misuse_is_named():
         jnnx.pipeline(lambda h, norm: norm(h), jnp.ones((2, D)), create(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"a stack of 5 layers laid out as pipeline stages with "
                                          r"FullyShardPolicy\(scan_axis=None\); pass FullyShardPolicy\(scan_axis=0"):
-        jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh, stages="stage")
-    unstaged = jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh, js.FullyShardPolicy(scan_axis=0))
+        jnnx.fully_shard(Stacked(nnx.Rngs(0)).blocks, mesh, stages="stage")
+    unstaged = jnnx.fully_shard(Stacked(nnx.Rngs(0)).blocks, mesh, js.FullyShardPolicy(scan_axis=0))
     with pytest.raises(ValueError, match=r"the root module \(Block\) is sharded but not laid out as pipeline stages: "
                                          r"shard the stack with .*stages='stage'\)"):
         jnnx.pipeline(lambda h, block: block(h), jnp.ones((2, D)), unstaged)
-    blocks = jnnx.fully_shard(Stacked(nnx.Rngs(0), pipeline=True).blocks, mesh,
+    blocks = jnnx.fully_shard(Stacked(nnx.Rngs(0)).blocks, mesh,
                               js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=FSDP), stages="stage")
     with pytest.raises(RuntimeError, match=r"the root module \(Block\) is fully sharded and was called outside the "
                                            r"step"):
@@ -148,13 +159,14 @@ class LinenBlock(nn.Module):
 class LinenModel(nn.Module):
     """A Linen stack over ``nn.scan`` (``stack=None``, the one-device reference), or the stack class given."""
 
+    layers: int = LAYERS
     stack: Any = None
 
     @nn.compact
     def __call__(self, x):
         h = jnp.tanh(nn.Dense(D, name="w_in")(x))
         if self.stack is None:
-            stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS)
+            stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
             h, _ = stack(name="blocks")(h, None)
         else:
             h = self.stack(name="blocks")(h)
@@ -178,22 +190,24 @@ def _linen_train(params, grad_fn, apply):
     return losses, params
 
 
-def test_linen_stack_runs_as_pipeline_stages():
+@pytest.mark.parametrize("stages,layers,microbatches,gather", CASES)
+def test_linen_stack_runs_as_pipeline_stages(stages, layers, microbatches, gather):
     """An ``nn.scan`` stack of L=5 blocks (LayerNorm + Dense) as 2 stages of 3 over (stage 2 x fsdp 4),
-    M=4: 3 AdamW steps, fp32, losses and parameters within 1e-5 of the ``nn.scan`` model on one device."""
-    mesh = _mesh()
-    reference = LinenModel()
+    M=4 (slow: L=7 on (stage 4 x fsdp 2), ``gather="once"``): 3 AdamW steps, fp32, losses and
+    parameters within 1e-5 of the ``nn.scan`` model on one device; the padding slots stay zero."""
+    mesh, policy = _mesh(stages), js.PipelinePolicy(microbatches=microbatches, gather=gather)
+    reference = LinenModel(layers)
     params = reference.init(jax.random.key(0), _batch()["x"])["params"]
     ref_losses, ref_params = _linen_train(params, jax.value_and_grad, reference.apply)
     block = jlinen.fully_shard(LinenBlock, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=FSDP))
     root = jlinen.fully_shard(LinenModel, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP))
-    model = root(stack=jlinen.pipeline(block, length=LAYERS, policy=POLICY))
+    model = root(layers, stack=jlinen.pipeline(block, length=layers, policy=policy))
     sharded = jlinen.shard_params(model, params, _batch()["x"])
     kernel = sharded["blocks"]["mlp"]["kernel"]
-    assert kernel.shape == (6, 8, D) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
+    assert kernel.shape == _stored_shape(stages, layers) and kernel.sharding.spec == PartitionSpec("stage", "fsdp")
     losses, sharded = _linen_train(sharded, jlinen.value_and_grad, model.apply)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert not np.any(np.asarray(sharded["blocks"]["mlp"]["kernel"])[LAYERS:])
+    assert not np.any(np.asarray(sharded["blocks"]["mlp"]["kernel"])[layers:])
     full = js.unshard(sharded)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, ref_params)
     evaluated = model.apply({"params": full}, _batch()["x"])  # outside the step: the nn.scan
