@@ -4,10 +4,14 @@
 transformations are elementwise and keep zero rows zero, but any statistic that counts
 elements does not: ``optax.adafactor`` takes means over rows and columns and the RMS of
 the parameter, so padding rows change its result; its factoring decision even depends on
-the (padded) shape. ``shard_optimizer(tx)`` therefore never shows ``tx`` a padded array:
-inside one ``jit`` it slices the padding off every leaf of ``updates``, ``params`` and
-the state, runs ``tx`` on arrays of the original shapes, and pads the results back with
-zeros. The slices are unevenly sharded global arrays, which GSPMD supports in ``Auto``
+the (padded) shape. The same holds for a stack laid out as pipeline stages, stored as
+``S * K`` layer slots of which those past its ``L`` layers are zeros ([Note: pipeline
+stages]): Adafactor would factor a ``(S * K, d)`` bias over the slots, and its moments'
+shapes would depend on ``S``, so a checkpoint could not restore onto another stage count.
+``shard_optimizer(tx)`` therefore never shows ``tx`` a padded array: inside one ``jit`` it
+slices the padding (and the layer slots past ``L``) off every leaf of ``updates``,
+``params`` and the state, runs ``tx`` on arrays of the original shapes, and pads the
+results back with zeros. The slices are unevenly sharded global arrays, which GSPMD supports in ``Auto``
 mode only, so the computation runs under ``jax.sharding.auto_axes``. GSPMD's uneven tiling
 (``ceil(d / N)`` rows per device) is exactly the layout's, so slicing and padding move no
 data: a sum over a sharded dim is the only communication, as in the unsharded program.
@@ -31,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from jshard._sharding.layout import LeafLayout, memory_kind, pad, partition_spec, unpad
+from jshard._sharding.layout import LeafLayout, memory_kind, pad, pad_layers, partition_spec, unpad, unpad_layers
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.model_axes import axes_of_type, only_axes
 from jshard._sharding.unit import all_units, is_unit, map_unit_leaves, one_mesh
@@ -99,14 +103,14 @@ def _unpadded(x: jax.Array, place: _Place, target: _Target) -> jax.Array:
     sharding = _sharding(target, _on_device(place), _auto_mesh(target.mesh))
     if place.kind is not None:  # offloaded: the update runs in device memory (see [Note: unpadded view])
         x = jax.device_put(x, sharding.with_memory_kind("device"))
-    if place.layout.padding == 0:
+    if place.layout.padding == 0 and place.layout.layers is None:
         return x
-    return jax.lax.with_sharding_constraint(unpad(x, place.layout), sharding)
+    return jax.lax.with_sharding_constraint(unpad_layers(unpad(x, place.layout), place.layout), sharding)
 
 
 def _padded(x: jax.Array, place: _Place, target: _Target) -> jax.Array:
     sharding = _sharding(target, _on_device(place), _auto_mesh(target.mesh))
-    return jax.lax.with_sharding_constraint(pad(x, place.layout), sharding)
+    return jax.lax.with_sharding_constraint(pad(pad_layers(x, place.layout), place.layout), sharding)
 
 
 def _view(tree: Any, target: _Target) -> Any:
@@ -129,7 +133,7 @@ def _abstract_plain(tree: Any) -> Any:
 
 def _abstract_view(tree: Any) -> Any:
     def shape(meta, layout, x):
-        return jax.ShapeDtypeStruct(x.shape if layout is None else layout.shape, x.dtype)
+        return jax.ShapeDtypeStruct(x.shape if layout is None else layout.unpadded_shape, x.dtype)
 
     return map_unit_leaves(shape, tree)
 

@@ -56,7 +56,7 @@ def replicated_layout(x: Any) -> LeafLayout:
 def _own_layout(param: LeafLayout, x: Any, shard_size: int, min_size: int) -> LeafLayout:
     """The layout of a state leaf that belongs to ``param`` (see [Note: state layout])."""
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
-    if shape == param.shape:
+    if shape == param.unpadded_shape:
         return dataclasses.replace(param, dtype=dtype)
     if param.ignored or not shape or math.prod(shape) < min_size:
         return LeafLayout(shape, dtype, None, 0, ignored=param.ignored)

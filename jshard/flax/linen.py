@@ -11,8 +11,9 @@ Example:
 """
 
 from jshard.flax._linen.intercept import ModuleUnits as ModuleUnits
+from jshard.flax._linen.pipeline import pipeline as pipeline
 from jshard.flax._linen.step import value_and_grad as value_and_grad
 from jshard.flax._linen.wrap import fully_shard as fully_shard
 from jshard.flax._linen.wrap import shard_params as shard_params
 
-__all__ = ["ModuleUnits", "fully_shard", "shard_params", "value_and_grad"]
+__all__ = ["ModuleUnits", "fully_shard", "pipeline", "shard_params", "value_and_grad"]

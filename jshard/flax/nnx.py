@@ -11,6 +11,7 @@ Example:
 from jshard.flax._nnx.module import FSDPModule as FSDPModule
 from jshard.flax._nnx.module import UnshardHandle as UnshardHandle
 from jshard.flax._nnx.optimizer import shard_optimizer as shard_optimizer
+from jshard.flax._nnx.pipeline import pipeline as pipeline
 from jshard.flax._nnx.shard import fully_shard as fully_shard
 from jshard.flax._nnx.shard import register_fsdp_forward_method as register_fsdp_forward_method
 from jshard.flax._nnx.step import value_and_grad as value_and_grad
@@ -22,6 +23,7 @@ __all__ = [
     "FSDPModule",
     "UnshardHandle",
     "fully_shard",
+    "pipeline",
     "register_fsdp_forward_method",
     "reshard",
     "shard_optimizer",

@@ -49,6 +49,7 @@ class Discovered:
     specs: dict[Path, tuple[Any, FullyShardPolicy]] = dataclasses.field(default_factory=dict)
     units: tuple[Path, ...] = ()
     stacked: dict[Path, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    stages: dict[Path, str] = dataclasses.field(default_factory=dict)  # pipeline stacks: their stage axis
 
 
 # ``shard_params``'s abstract call is no step: ``model.apply`` cannot carry what it collects.
@@ -61,6 +62,11 @@ def linen_step() -> tuple[StepState, StepTable] | None:
     if step is None or not isinstance(step.adapter, StepTable):
         return None
     return step, step.adapter
+
+
+def discovered() -> Discovered | None:
+    """What the abstract call of ``shard_params`` running now has found, else ``None``."""
+    return _DISCOVERED.get()
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from jshard._sharding.fully_shard import fully_shard as fully_shard_tree
 from jshard._sharding.mesh import make_mesh
 from jshard._sharding.nested import get_in, set_in
 from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.stages import stage_layers
 from jshard._sharding.unit import FSDPUnit
 from jshard.flax._linen import partitioned, stacked
 from jshard.flax._linen.intercept import ModuleUnits, check_units, intercepting
@@ -149,5 +150,8 @@ def shard_params(
                 f"Linen module at `{scope_path(path)}` is wrapped with fully_shard inside the stacked (nn.scan) "
                 f"module at `{scope_path(inside[0])}`: a stack is one unit; wrap only the scanned block."
             )
-        params = set_in(params, path, fully_shard_tree(get_in(params, path), mesh, policy))
+        tree = get_in(params, path)
+        if path in found.stages:  # a jlinen.pipeline stack: its layers laid out as the mesh's stages
+            tree = stage_layers(tree, mesh, found.stages[path])
+        params = set_in(params, path, fully_shard_tree(tree, mesh, policy))
     return params

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jshard._sharding.comm_hooks import AllGather, AllReduce, ReduceScatter
 from jshard._sharding.fully_shard import gather_own, shard_own
+from jshard._sharding.layout import pad_layers
 from jshard._sharding.mesh import check_reshard_group
 from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard.flax._nnx.forward import gather_module, restore
@@ -356,5 +357,7 @@ def _reshard_global(module: Any) -> None:
     state = unit_state(module)
     if not state.unsharded:
         return
-    _set_own_values(module, shard_own(state.meta, build_unit(module).own_entries()))
+    full = [x if layout is None or layout.ignored else pad_layers(x, layout)  # a staged stack's L layers to its slots
+            for x, layout in zip(build_unit(module).own_entries(), state.meta.layouts, strict=True)]
+    _set_own_values(module, shard_own(state.meta, full))
     _update_state(module, unsharded=False)

@@ -13,6 +13,7 @@ from jshard._sharding.fully_shard import fully_shard as fully_shard_tree
 from jshard._sharding.mesh import make_mesh
 from jshard._sharding.nested import nest
 from jshard._sharding.policies import FullyShardPolicy
+from jshard._sharding.stages import stage_layers
 from jshard._sharding.unit import is_unit
 from jshard.flax._nnx.forward import GuardedParam, forward_method, guarded_class, shard_shapes
 from jshard.flax._nnx.graph import UnitState, build_unit, describe, member_of, node_at, set_unit_state, unit_state, walk
@@ -106,7 +107,8 @@ def _stamp(module: Any, subs: list[tuple[Path, Any]]) -> None:
             set_unit_state(node, unit_state(node).placed_at(path))
 
 
-def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy | None = None) -> Any:
+def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy | None = None, *,
+                stages: str | None = None) -> Any:
     """Shard an NNX module's parameters as one unit, in place (FSDP2's ``fully_shard``).
 
     Apply it bottom-up: to each block, then to the root. The module's own ``nnx.Param``
@@ -123,6 +125,9 @@ def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
       module: an ``nnx.Module``; sharded modules inside it stay their own units.
       mesh: the mesh (default :func:`jshard.make_mesh`).
       policy: a :class:`jshard.FullyShardPolicy` (default ``FullyShardPolicy()``).
+      stages: a mesh axis: lay the stacked Params out as pipeline stages over it
+        (:func:`jshard.stage_layers`) for :func:`jshard.flax.nnx.pipeline`; needs
+        ``policy.scan_axis=0``.
 
     Returns:
       ``module`` itself, now also an :class:`jshard.flax.nnx.FSDPModule`.
@@ -151,7 +156,9 @@ def fully_shard(module: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     items = [(p, v.get_value()) for p, v in own] + [(p, build_unit(s)) for p, s in subs]
     if not items:
         raise ValueError(f"{describe(module)} has no nnx.Param to shard: shard a module that owns parameters.")
-    unit = fully_shard_tree(nest(items), make_mesh() if mesh is None else mesh, policy)
+    mesh = make_mesh() if mesh is None else mesh
+    tree = nest(items) if stages is None else stage_layers(nest(items), mesh, stages)
+    unit = fully_shard_tree(tree, mesh, policy)
     entries = entry_paths(unit.tree)
     for (path, x), layout in zip(entries, unit.meta.layouts, strict=True):
         if not is_unit(x):

@@ -1,0 +1,114 @@
+"""``pipeline`` for NNX: a stacked module (``nnx.vmap``) run as pipeline stages, the user's layer module the body.
+
+[Note: NNX pipeline] ``jnnx.fully_shard(blocks, mesh, policy, stages="stage")`` lays the
+stacked Params out as :func:`jshard.stage_layers` does and makes them one unit, so the
+module's unit is exactly what :func:`jshard.pipeline` takes. Inside the step
+``jnnx.pipeline(body, x, blocks)`` hands that unit to the core schedule, whose body gets one
+layer's gathered parameters; there the layer's module is rebuilt (``nnx.merge`` of the stack's
+graphdef, each own Param set to that layer's value) and recorded as held gathered in the
+step's ``held`` map, so its forward runs the original method without gathering again, and the
+user's ``body(h, layer_module)`` (what an ``nnx.scan`` body gets) runs on it. A module that is
+not sharded (the same model on one device), or gathered for evaluation (``jnnx.unshard``),
+runs its ``L`` layers in a plain ``lax.scan``, as ``nnx.scan`` would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jshard._sharding.policies import PipelinePolicy
+from jshard._sharding.step_state import Held, ShardedState, active_step
+from jshard._step.pipeline import pipeline as core_pipeline
+from jshard.flax._nnx.forward import OUTSIDE_STEP
+from jshard.flax._nnx.graph import build_unit, describe, own_variables, unit_state
+from jshard.flax._nnx.step_context import current_step
+
+
+def _only_params(module: Any) -> tuple[Any, Any, Any]:
+    """``nnx.split(module, nnx.Param, ...)``, or an error naming the first other stacked variable."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    flat = jax.tree_util.tree_flatten_with_path(rest)[0]
+    if flat:
+        path, leaf = flat[0]
+        raise ValueError(
+            f"jnnx.pipeline runs stacks whose only state is nnx.Param, but {describe(module)} holds "
+            f"{jax.tree_util.keystr(path)} of shape {tuple(getattr(leaf, 'shape', ()))} (not a Param): each stage "
+            "would need its own slice of it. Keep other state (nnx.Rngs, batch statistics) outside the stack."
+        )
+    return graphdef, params, rest
+
+
+def _scan(body: Callable, x: jax.Array, module: Any) -> jax.Array:
+    """The ``L`` layers one after another (one device, or gathered for evaluation)."""
+    graphdef, params, rest = _only_params(module)
+    return jax.lax.scan(lambda h, p: (body(h, nnx.merge(graphdef, p, rest)), None), x, params)[0]
+
+
+def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, module: Any, *,
+             policy: PipelinePolicy | None = None) -> jax.Array:
+    """A stacked NNX module's layers run as pipeline stages over ``policy.axis`` (GPipe), like ``nnx.scan``.
+
+    Write the loop over the stack with it instead of ``nnx.scan``: ``body(h, layer)`` gets one
+    layer of the stack as a module (what an ``nnx.scan(in_axes=(nnx.Carry, 0))`` body gets),
+    typically ``lambda h, block: block(h)``. Shard the stack with
+    ``jnnx.fully_shard(blocks, mesh, js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=...(shard="fsdp")),
+    stages="stage")`` and the root over ``("stage", "fsdp")``; inside
+    :func:`jshard.flax.nnx.value_and_grad` it runs :func:`jshard.pipeline` on the stack's unit
+    ([Note: NNX pipeline]). An unsharded stack (the same model on one device) or one gathered
+    with ``jnnx.unshard`` runs its layers in a plain ``lax.scan``.
+
+    Args:
+      body: ``(h, layer_module) -> h``, one layer.
+      x: the activations entering the stack, the batch on dim 0.
+      module: the stacked module (Params with a leading layer axis, e.g. made with ``nnx.vmap``).
+      policy: a :class:`jshard.PipelinePolicy` (default ``PipelinePolicy()``).
+
+    Returns:
+      ``h`` after the stack's ``L`` layers, shaped like ``x``.
+
+    Raises:
+      RuntimeError: a sharded stack called outside the step.
+      ValueError: the stack holds state other than Params, or is not laid out as stages
+        (``stages=`` of :func:`jshard.flax.nnx.fully_shard`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jshard.flax import nnx as jnnx
+      >>> @nnx.split_rngs(splits=3)
+      ... @nnx.vmap(in_axes=(0,), out_axes=0)
+      ... def create(rngs):
+      ...     return nnx.Linear(4, 4, rngs=rngs)
+      >>> blocks = create(nnx.Rngs(0))  # unsharded: the layers in a lax.scan
+      >>> jnnx.pipeline(lambda h, block: block(h), jnp.ones((2, 4)), blocks).shape
+      (2, 4)
+    """
+    state = unit_state(module)
+    if state is None or state.unsharded:
+        return _scan(body, x, module)
+    policy = PipelinePolicy() if policy is None else policy
+    if any(layout is None or layout.layers is None for layout in state.meta.layouts):
+        raise ValueError(
+            f"{describe(module)} is sharded but not laid out as pipeline stages: shard the stack with "
+            f"jnnx.fully_shard(module, mesh, js.FullyShardPolicy(scan_axis=0, ...), stages={policy.axis!r})."
+        )
+    if active_step() is None:
+        raise RuntimeError(OUTSIDE_STEP.format(module=describe(module)))
+    step = current_step(module)
+    graphdef, params, rest = _only_params(module)
+
+    def layer(h: jax.Array, weights: Any) -> jax.Array:
+        one = nnx.merge(graphdef, jax.tree.map(lambda v: v, params), rest)  # Variables of this trace
+        for param, value in zip(own_variables(one), jax.tree.leaves(weights), strict=True):
+            param.set_value(value)
+        step.held[one] = Held(ShardedState.FORWARD, [])  # gathered: its forward gathers no more
+        try:
+            return body(h, one)
+        finally:
+            step.held.pop(one)
+
+    return core_pipeline(layer, x, build_unit(module), policy=policy)
