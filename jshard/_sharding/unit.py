@@ -18,6 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from jshard._sharding.layout import LeafLayout
+from jshard._sharding.local_shapes import refuse_shard_read
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.step_state import active_step
@@ -145,11 +146,9 @@ def _top_level(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     return top, tuple(path[0] for path, _ in keyed)
 
 
-READ_SHARD = (
-    "Leaf [{key!r}] of shape {shape} was read from its unit inside the step without js.unshard, so it "
-    "holds this device's shard {local} (of the padded {padded}, split over mesh axis {axis!r} of size "
-    "{n}), not the parameter. Call js.unshard(unit) right before using it (js.scan for stacked units), "
-    "or use js.value_and_grad(loss_fn) with unshard_params=True to receive full parameters."
+SHARD_READ_REMEDY = (
+    "Call js.unshard(unit) right before using it (js.scan for stacked units), or use js.value_and_grad(loss_fn) "
+    "with unshard_params=True to receive full parameters."
 )
 READ_PADDED = (
     "Leaf [{key!r}] of shape {shape} is stored padded to {padded} (split over mesh axis {axis!r} of "
@@ -174,8 +173,8 @@ def _refuse_derivative_jvp(message: str, primals: tuple[Any], tangents: tuple[An
 
 def _check_read(unit: FSDPUnit, key: Any, value: Any) -> Any:
     """``unit.tree[key]``, refusing the two common ways of reading a leaf as a parameter
-    when it is not one: a shard read inside the step (an error now) and a padded global array
-    differentiated outside it (an error if the read value is differentiated)."""
+    when it is not one: a shard read inside the step (an error now, [Note: shard reads]) and a
+    padded global array differentiated outside it (an error if the read value is differentiated)."""
     step = active_step()
     reading_shard = step is not None and step.holds_shards
     traced_outside = step is None and isinstance(value, jax.core.Tracer)
@@ -184,13 +183,12 @@ def _check_read(unit: FSDPUnit, key: Any, value: Any) -> Any:
     layout = _own_layout(unit, key)
     if layout is None or not layout.sharded or layout.ignored:
         return value
-    facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
-             "axis": unit.meta.axes.shard_entry,
-             "n": unit.meta.axes.shard_size}
-    if reading_shard and tuple(value.shape) != layout.shape:
-        raise RuntimeError(READ_SHARD.format(**facts))
+    axes = unit.meta.axes
+    refuse_shard_read(value, layout, axes, unit.meta.policy.scan_axis, step, leaf=f"Leaf [{key!r}]",
+                      how="from its unit inside the step without js.unshard", remedy=SHARD_READ_REMEDY)
     if traced_outside and layout.padding:
-        return _refuse_derivative(value, READ_PADDED.format(**facts))
+        return _refuse_derivative(value, READ_PADDED.format(key=key, shape=layout.shape, padded=layout.padded_shape,
+                                                            axis=axes.shard_entry, n=axes.shard_size))
     return value
 
 

@@ -5,6 +5,22 @@ same), so ``module(x)`` goes through :func:`forward`: inside the step it gathers
 module's own parameters (``js.unshard`` of its unit, in the core's local view), runs the
 original method, and puts the shards back. The class is part of the module's graphdef,
 so copies made by ``nnx.merge`` (``nnx.jit``, ``nnx.scan`` bodies) behave the same.
+
+[Note: guarded Params] Refusing a shard read must run when a Param is read. Flax 0.12.8 has
+two ways: ``on_get_value`` metadata hooks, deprecated (``Variable.__init__`` warns "Variable
+hooks are deprecated. Create your own Variable type and overload `get_value`"), and what that
+warning prescribes, a Variable subclass overriding ``get_value``. A class is chosen when a
+Variable is made, and the user's Params exist before ``fully_shard``: the supported way to a
+new class is a new Variable (``Sharded.from_metadata(value, metadata)``, or
+``nnx.recursive_map``, which works on a clone) put where the Param was. But a Param's identity
+is how NNX ties weights (one Param reached from two modules) and how ``fully_shard`` finds a
+Param shared by two units; Flax's own graph updates keep it (``Pytree._graph_node_set_key``
+calls ``update_from_state`` on the Variable already there). A new object would untie, silently,
+a Param the module shares with code outside it. So ``fully_shard`` changes the class of the
+existing Param to ``Sharded<Name>(GuardedParam, Name)``, as it changes the module's and as FSDP2
+does: the same object and slots, a subclass (``nnx.Param`` filters match), recorded in the
+graphdef (copies keep it). The rule itself has one home,
+:func:`jshard._sharding.local_shapes.refuse_shard_read`, which the core's unit calls too.
 """
 
 from __future__ import annotations
@@ -15,7 +31,7 @@ from typing import Any
 
 from flax import nnx
 
-from jshard._sharding.step_axes import leaf_view
+from jshard._sharding.local_shapes import refuse_shard_read
 from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard._step.gather import is_layer_slice
 from jshard._step.unit_gather import gather_for_compute, per_layer
@@ -30,52 +46,31 @@ OUTSIDE_STEP = (
 )
 
 
-READ_SHARD = (
-    "Param `{path}` of a fully sharded module was read inside the step while its module's "
-    "parameters are not gathered, so it holds this device's shard, not the parameter. Read "
-    "parameters inside the module's forward, register other methods that use them with "
+SHARD_READ_REMEDY = (
+    "Read parameters inside the module's forward, register other methods that use them with "
     "jshard.flax.nnx.register_fsdp_forward_method(module, name), or call module.unshard() first."
 )
 
 
 class GuardedParam:
-    """Mixed into the class of every sharded Param: inside the step, refuses to hand out a
-    shard where the parameter is expected (its module's parameters are not gathered).
+    """Mixed into the class of every sharded Param whose shard can be told from the parameter:
+    inside the step, reading it while its module's parameters are not gathered is refused
+    (:func:`jshard._sharding.local_shapes.refuse_shard_read`, with the leaf's layout from the
+    metadata ``jshard_layout``, which ``nnx.scan`` / ``nnx.remat`` copies keep).
 
-    A shard is recognised by its shape: the local shard's shape and, for stacked leaves, one
-    layer's, as the step sees them (:func:`step_shard_shapes`, from the leaf's layout in the
-    metadata ``jshard_layout``, which survives ``nnx.scan`` / ``nnx.remat`` copying the
-    Variable); a leaf whose shard has its full shape is not checked.
+    See [Note: guarded Params] for why the class of the existing Param changes.
     """
 
     __slots__ = ()
 
     def get_value(self, **kwargs: Any) -> Any:
         step = nnx_step()
-        if step is not None and step.holds_shards:
-            shards = step_shard_shapes(*self.get_metadata()["jshard_layout"], step.axes)
-            if tuple(getattr(self.get_raw_value(), "shape", ())) in shards:
-                raise RuntimeError(READ_SHARD.format(path=self.get_metadata().get("jshard_path", "?")))
+        if step is not None:  # outside the step (most reads) no metadata is looked up
+            refuse_shard_read(self.get_raw_value(), *self.get_metadata("jshard_layout"), step,
+                              leaf=f"Param `{self.get_metadata('jshard_path', '?')}`",
+                              how="inside the step while its fully sharded module's parameters are not gathered",
+                              remedy=SHARD_READ_REMEDY)
         return super().get_value(**kwargs)
-
-
-def step_shard_shapes(layout: Any, axes: Any, scan_axis: int | None, step_axes: Any) -> tuple[tuple[int, ...], ...]:
-    """:func:`shard_shapes` inside a step manual over ``step_axes``: a dim split over a model
-    axis the step is manual over holds this device's block (an expert unit's local experts,
-    [Note: step axes])."""
-    return shard_shapes(*leaf_view(layout, axes, step_axes), scan_axis)
-
-
-def shard_shapes(layout: Any, axes: Any, scan_axis: int | None) -> tuple[tuple[int, ...], ...]:
-    """Local shapes of a leaf's shard (and of one layer of it) that differ from the full shapes."""
-    if not layout.sharded or layout.ignored:
-        return ()
-    shard = list(layout.padded_shape)
-    shard[layout.dim] //= axes.shard_size
-    shapes = {(tuple(shard), layout.shape)}
-    if scan_axis == 0:
-        shapes.add((tuple(shard[1:]), layout.shape[1:]))
-    return tuple(sorted(s for s, full in shapes if s != full))
 
 
 def guarded_class(cls: type) -> type:
