@@ -365,3 +365,31 @@ def test_batch_norm_statistics_are_per_device_unless_named_over_the_mesh_axis():
     assert abs(float(per_device) - float(ref_loss)) > 1e-5
     np.testing.assert_allclose(global_batch, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], atol=1e-6)  # running stats too
+
+
+def test_one_layer_of_a_stack_is_known_by_its_exact_shape():
+    """[Note: NNX layer slices]: inside nnx.scan a stacked unit's Params hold one layer, known from
+    the shapes their carried layout allows, not from ``ndim``: a scan over axis 1 hands the
+    layer's module slices of neither shape, refused by name (``ndim`` took them for one layer,
+    and JAX failed in the gather's VJP)."""
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nnx.Linear(16, 16, use_bias=False, rngs=rngs)
+
+    stack = jnnx.fully_shard(create(nnx.Rngs(0)), policy=js.FullyShardPolicy(scan_axis=0))
+
+    def loss_over(axis):
+        run = nnx.scan(lambda x, layer: layer(x), in_axes=(nnx.Carry, axis), out_axes=nnx.Carry)
+        return lambda model, batch: run(batch["x"], model).sum()
+
+    batch = {"x": jnp.ones((8, 16))}
+    jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)  # as Flax writes it: one layer per iteration
+    neither = (r"Param `kernel` of the root module \(Linear\), a stack of layers \(FullyShardPolicy\(scan_axis=0\)\), "
+               r"holds shape \(4, 16\) inside the step, which is neither; its stack's shard is \(4, 2, 16\) and one "
+               r"layer's \(2, 16\) \(split over mesh axis 'fsdp' of size 8\).*nnx.scan or nnx.vmap over axis 0")
+    with pytest.raises(ValueError, match=neither):
+        jax.jit(jnnx.value_and_grad(loss_over(1))).lower(stack, batch)
+    stack.set_requires_gradient_sync(False)  # gathered up front: one layer is the parameter's slice
+    jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)

@@ -6,6 +6,24 @@ module's own parameters (``js.unshard`` of its unit, in the core's local view), 
 original method, and puts the shards back. The class is part of the module's graphdef,
 so copies made by ``nnx.merge`` (``nnx.jit``, ``nnx.scan`` bodies) behave the same.
 
+[Note: NNX layer slices] Inside ``nnx.scan`` (or ``nnx.vmap``) over a stacked unit each Param
+holds one layer of its stack, and the forward must know it: one layer is gathered with the
+layer's layout, under ``per_layer``. Flax 0.12.8 does not carry that fact as Flax's docs write
+``nnx.scan``: its transforms call the Variable axis hooks (``Variable.remove_axis`` /
+``add_axis``, through ``spmd.remove_axis`` / ``add_axis``) only when ``transform_metadata``
+names ``nnx.PARTITION_NAME`` (``ScanFn.__call__`` and ``VmapFn.__call__`` in
+``flax/nnx/transforms/iteration.py`` test ``spmd.PARTITION_NAME in self.transform_metadata``;
+its default is ``FrozenDict({})``), and the slices that ``jax.lax.scan`` / ``jax.vmap`` hand the
+body are unflattened with the Variable's metadata untouched (it is the Variable's pytree aux
+data, ``variablelib._variable_unflatten``). No metadata of ours can change there without the
+user passing ``transform_metadata``, so a layer and its stack differ only in the value. The
+most explicit means left: the shapes a leaf may hold travel with it (its layout is in the
+module's static ``UnitState``, part of the graphdef every copy is merged from);
+:func:`jshard._sharding.local_shapes.local_shapes` says exactly which is the stack's and
+which is one layer's in this step (shard or, gradient sync deferred, gathered), and a Param
+holding neither, or Params that disagree, are an error naming the Param: never a guess from
+``ndim`` (a scan over axis 1 was taken for one layer, and failed inside the gather's VJP).
+
 [Note: guarded Params] Refusing a shard read must run when a Param is read. Flax 0.12.8 has
 two ways: ``on_get_value`` metadata hooks, deprecated (``Variable.__init__`` warns "Variable
 hooks are deprecated. Create your own Variable type and overload `get_value`"), and what that
@@ -31,12 +49,12 @@ from typing import Any
 
 from flax import nnx
 
-from jshard._sharding.local_shapes import refuse_shard_read
+from jshard._sharding.local_shapes import local_shapes, refuse_shard_read
 from jshard._sharding.step_state import Held, ShardedState, active_step
-from jshard._step.gather import is_layer_slice
 from jshard._step.unit_gather import gather_for_compute, per_layer
 from jshard.flax._nnx.graph import describe, own_variables, unit_state
 from jshard.flax._nnx.step_context import NOT_IN_STEP, current_step, nnx_step
+from jshard.flax._paths import attribute_path
 
 OUTSIDE_STEP = (
     "{module} is fully sharded and was called outside the step: its parameters are shards. "
@@ -49,6 +67,12 @@ OUTSIDE_STEP = (
 SHARD_READ_REMEDY = (
     "Read parameters inside the module's forward, register other methods that use them with "
     "jshard.flax.nnx.register_fsdp_forward_method(module, name), or call module.unshard() first."
+)
+NOT_ONE_LAYER = (
+    "Param `{path}` of {module}, a stack of layers (FullyShardPolicy(scan_axis=0)), holds shape {shape} inside "
+    "the step, {problem}; its stack's shard is {stack} and one layer's {layer} (split over mesh axis {axis!r} of "
+    "size {n}). Call the stacked module inside nnx.scan or nnx.vmap over axis 0 of every Param (in_axes=0 for the "
+    "module), as Flax writes stacked layers, or as a whole outside them."
 )
 
 
@@ -90,7 +114,7 @@ def gather_module(module: Any, step: Any) -> list[tuple[Any, Any]]:
     own = [(i, p) for i, ((_, is_sub), p) in enumerate(zip(state.entries, params, strict=True)) if not is_sub]
     shards = [p.get_raw_value() for _, p in own]
     values = [None if is_sub else p.get_raw_value() for (_, is_sub), p in zip(state.entries, params, strict=True)]
-    flat = gather_for_compute(state.meta, values, step, layer=_is_stacked_slice(module),
+    flat = gather_for_compute(state.meta, values, step, layer=_holds_one_layer(module, step),
                               not_in_step=NOT_IN_STEP.format(module=describe(module)))
     full = [flat[i] for i, _ in own]
     for (_, p), x in zip(own, full, strict=True):
@@ -130,7 +154,7 @@ def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
             if target not in step.held:
                 step.held[target] = Held(ShardedState.PREFETCHED, gather_module(target, step))
 
-    if held is None and _is_stacked_slice(module):
+    if held is None and _holds_one_layer(module, step):
         prefetch()  # outside the checkpoint: the targets live in this trace
         return per_layer(step, lambda m: _gathered_call(m, method, args, kwargs, step), nnx.remat)(module)
     return _gathered_call(module, method, args, kwargs, step, prefetch)
@@ -151,14 +175,31 @@ def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: An
         restore(step.held.pop(module).saved)
 
 
-def _is_stacked_slice(module: Any) -> bool:
+def _holds_one_layer(module: Any, step: Any) -> bool:
+    """Whether the module's Params hold one layer of their stacks (inside ``nnx.scan`` /
+    ``nnx.vmap``) rather than the whole stacks: the shape each holds against the two its
+    carried layout allows in this step, every Param agreeing ([Note: NNX layer slices])."""
     state = unit_state(module)
-    pairs = zip(state.entries, state.meta.layouts, own_variables(module), strict=True)
-    return any(
-        is_layer_slice(p.get_raw_value(), layout, state.meta.policy)
-        for (_, is_sub), layout, p in pairs
-        if not is_sub
-    )
+    if state.meta.policy.scan_axis != 0:
+        return False
+    first: tuple[Any, bool] | None = None
+    for (path, is_sub), layout, param in zip(state.entries, state.meta.layouts, own_variables(module), strict=True):
+        if is_sub:
+            continue
+        shapes = local_shapes(layout, state.meta.axes, 0, step.axes)
+        stack, layer = (shapes.before_gather(step.holds_shards, layer) for layer in (False, True))
+        shape = tuple(param.get_raw_value().shape)
+        if shape not in (stack, layer):
+            problem = "which is neither"
+        elif first is not None and (shape == layer) != first[1]:
+            problem = f"while `{attribute_path(first[0])}` holds {'one layer' if first[1] else 'its whole stack'}"
+        else:
+            first = first or (path, shape == layer)
+            continue
+        raise ValueError(NOT_ONE_LAYER.format(
+            path=attribute_path(path), module=describe(module), shape=shape, problem=problem, stack=stack, layer=layer,
+            axis=state.meta.axes.shard_entry, n=state.meta.axes.shard_size))
+    return first is not None and first[1]
 
 
 def forward_method(name: str) -> Callable[..., Any]:
