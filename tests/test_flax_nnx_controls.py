@@ -369,14 +369,14 @@ def test_batch_norm_statistics_are_per_device_unless_named_over_the_mesh_axis():
 
 def test_one_layer_of_a_stack_is_known_by_its_exact_shape():
     """[Note: NNX layer slices]: inside nnx.scan a stacked unit's Params hold one layer, known from
-    the shapes their carried layout allows, not from ``ndim``: a scan over axis 1 hands the
-    layer's module slices of neither shape, refused by name (``ndim`` took them for one layer,
-    and JAX failed in the gather's VJP)."""
+    the shapes their carried layout allows, not from ``ndim``. A scan over axis 1 hands the layer's
+    module slices of neither shape (``ndim`` took them for one layer, and JAX failed in the gather's
+    VJP); slicing some Params only leaves them disagreeing. Both are refused by name."""
 
     @nnx.split_rngs(splits=4)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return nnx.Linear(16, 16, use_bias=False, rngs=rngs)
+        return nnx.Linear(16, 16, rngs=rngs)
 
     stack = jnnx.fully_shard(create(nnx.Rngs(0)), policy=js.FullyShardPolicy(scan_axis=0))
 
@@ -386,10 +386,14 @@ def test_one_layer_of_a_stack_is_known_by_its_exact_shape():
 
     batch = {"x": jnp.ones((8, 16))}
     jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)  # as Flax writes it: one layer per iteration
-    neither = (r"Param `kernel` of the root module \(Linear\), a stack of layers \(FullyShardPolicy\(scan_axis=0\)\), "
-               r"holds shape \(4, 16\) inside the step, which is neither; its stack's shard is \(4, 2, 16\) and one "
-               r"layer's \(2, 16\) \(split over mesh axis 'fsdp' of size 8\).*nnx.scan or nnx.vmap over axis 0")
+    neither = (r"Param `bias` of the root module \(Linear\), a stack of layers \(FullyShardPolicy\(scan_axis=0\)\), "
+               r"holds shape \(4,\) inside the step, which is neither; its stack's shard is \(4, 2\) and one "
+               r"layer's \(2,\) \(split over mesh axis 'fsdp' of size 8\).*nnx.scan or nnx.vmap over axis 0")
     with pytest.raises(ValueError, match=neither):
         jax.jit(jnnx.value_and_grad(loss_over(1))).lower(stack, batch)
+    some_sliced = nnx.StateAxes({nnx.PathContains("kernel"): 0, ...: None})  # bias broadcast whole
+    with pytest.raises(ValueError, match=r"Param `kernel` .* holds shape \(2, 16\) inside the step, while `bias` "
+                                         r"holds its whole stack"):
+        jax.jit(jnnx.value_and_grad(loss_over(some_sliced))).lower(stack, batch)
     stack.set_requires_gradient_sync(False)  # gathered up front: one layer is the parameter's slice
     jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)
