@@ -397,3 +397,20 @@ def test_one_layer_of_a_stack_is_known_by_its_exact_shape():
         jax.jit(jnnx.value_and_grad(loss_over(some_sliced))).lower(stack, batch)
     stack.set_requires_gradient_sync(False)  # gathered up front: one layer is the parameter's slice
     jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)
+
+
+def test_a_stack_under_nnx_vmap_gathers_one_layer_per_instance():
+    """[Note: NNX layer slices]: nnx.vmap over a stacked unit (every layer on the same input) hands
+    each instance one layer, known by the same carried shapes as inside nnx.scan."""
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nnx.Linear(16, 16, rngs=rngs)
+
+    run = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None), out_axes=0)
+    loss = lambda m, b: (run(m, b["x"]) ** 2).mean()  # noqa: E731
+    batch = {"x": jnp.arange(128.0).reshape(8, 16) / 128}
+    want = nnx.value_and_grad(loss)(create(nnx.Rngs(0)), batch)[0]
+    stack = jnnx.fully_shard(create(nnx.Rngs(0)), policy=js.FullyShardPolicy(scan_axis=0))
+    np.testing.assert_allclose(jax.jit(jnnx.value_and_grad(loss))(stack, batch)[0], want, rtol=1e-6)
