@@ -3,11 +3,12 @@
 [Note: shard reads] Inside the step a unit's leaves hold this device's shards until they are
 gathered. A leaf read where the parameter is expected while it holds a shard (``unit["w"]`` in
 the core, an NNX Param read outside its module's forward) is refused by one routine,
-:func:`refuse_shard_read`, with one error; each caller only names the leaf, says how it was
-read and what to do instead. A shard is told apart by its shape against the leaf's layout,
-which travels with it (the unit's meta, an NNX Param's metadata): this device's stored shard
-as the step sees it ([Note: step axes]), and one layer of it for a stack (``scan_axis=0``). A
-leaf whose shard has its full shape (nothing to split) cannot be told apart and is not refused.
+:func:`refuse_shard_read`, which decides and builds the error with the facts (the parameter's
+shape, the shard's, the padded shape, the mesh axis and its size); each caller only words the
+message. A shard is told apart by its shape against the leaf's layout, which travels with it
+(the unit's meta, an NNX Param's metadata): this device's stored shard as the step sees it
+([Note: step axes]), and one layer of it for a stack (``scan_axis=0``). A leaf whose shard
+has its full shape (nothing to split) cannot be told apart and is not refused.
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ from jshard._sharding.step_axes import leaf_view
 from jshard._sharding.step_state import StepState
 
 Shape = tuple[int, ...]
-
-SHARD_READ = (
-    "{leaf} of shape {shape} was read {how}, so it holds this device's shard {local} (of the padded {padded}, "
-    "split over mesh axis {axis!r} of size {n}), not the parameter. {remedy}"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class LocalShapes:
@@ -72,21 +67,21 @@ def local_shapes(layout: LeafLayout, axes: MeshAxes, scan_axis: int | None, step
 
 
 def refuse_shard_read(value: Any, layout: LeafLayout, axes: MeshAxes, scan_axis: int | None, step: StepState | None,
-                      *, leaf: str, how: str, remedy: str) -> None:
+                      message: str, **names: Any) -> None:
     """Raise ``RuntimeError`` when ``value``, read where the parameter is expected, is the
-    leaf's shard inside ``step`` ([Note: shard reads]); ``leaf`` names it (``Leaf ['w']``),
-    ``how`` says how it was read, ``remedy`` what to do instead.
+    leaf's shard inside ``step`` ([Note: shard reads]). ``message`` words it, with the facts
+    ``{shape}`` (the parameter's), ``{local}`` (the shard's), ``{padded}``, ``{axis}`` and ``{n}``
+    (the mesh axis and its size), and the caller's ``names`` (the leaf's).
 
     Example:
       >>> import jax.numpy as jnp, jshard as js
       >>> unit = js.fully_shard({"w": jnp.ones((12, 3))})
       >>> refuse_shard_read(jnp.ones((2, 3)), unit.meta.layouts[0], unit.meta.axes, None, None,
-      ...                   leaf="Leaf ['w']", how="outside any step", remedy="")  # no step: nothing to refuse
+      ...                   "{leaf}: never read outside a step", leaf="w")  # no step: nothing to refuse
     """
     if step is None or not step.holds_shards or not hasattr(value, "shape"):
         return
     local = tuple(value.shape)
     if local in local_shapes(layout, axes, scan_axis, step.axes).shard_reads:
-        raise RuntimeError(SHARD_READ.format(leaf=leaf, shape=layout.shape, how=how, local=local,
-                                             padded=layout.padded_shape, axis=axes.shard_entry,
-                                             n=axes.shard_size, remedy=remedy))
+        raise RuntimeError(message.format(shape=layout.shape, local=local, padded=layout.padded_shape,
+                                          axis=axes.shard_entry, n=axes.shard_size, **names))

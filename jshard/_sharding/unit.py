@@ -146,9 +146,11 @@ def _top_level(tree: Any) -> tuple[Any, tuple[Any, ...]]:
     return top, tuple(path[0] for path, _ in keyed)
 
 
-SHARD_READ_REMEDY = (
-    "Call js.unshard(unit) right before using it (js.scan for stacked units), or use js.value_and_grad(loss_fn) "
-    "with unshard_params=True to receive full parameters."
+READ_SHARD = (
+    "Leaf [{key!r}] of shape {shape} was read from its unit inside the step without js.unshard, so it "
+    "holds this device's shard {local} (of the padded {padded}, split over mesh axis {axis!r} of size "
+    "{n}), not the parameter. Call js.unshard(unit) right before using it (js.scan for stacked units), "
+    "or use js.value_and_grad(loss_fn) with unshard_params=True to receive full parameters."
 )
 READ_PADDED = (
     "Leaf [{key!r}] of shape {shape} is stored padded to {padded} (split over mesh axis {axis!r} of "
@@ -184,8 +186,7 @@ def _check_read(unit: FSDPUnit, key: Any, value: Any) -> Any:
     if layout is None or not layout.sharded or layout.ignored:
         return value
     axes = unit.meta.axes
-    refuse_shard_read(value, layout, axes, unit.meta.policy.scan_axis, step, leaf=f"Leaf [{key!r}]",
-                      how="from its unit inside the step without js.unshard", remedy=SHARD_READ_REMEDY)
+    refuse_shard_read(value, layout, axes, unit.meta.policy.scan_axis, step, READ_SHARD, key=key)
     if traced_outside and layout.padding:
         return _refuse_derivative(value, READ_PADDED.format(key=key, shape=layout.shape, padded=layout.padded_shape,
                                                             axis=axes.shard_entry, n=axes.shard_size))

@@ -64,9 +64,12 @@ OUTSIDE_STEP = (
 )
 
 
-SHARD_READ_REMEDY = (
-    "Read parameters inside the module's forward, register other methods that use them with "
-    "jshard.flax.nnx.register_fsdp_forward_method(module, name), or call module.unshard() first."
+READ_SHARD = (
+    "Param `{path}` of a fully sharded module was read inside the step while its module's parameters are "
+    "not gathered, so it holds this device's shard {local} of the parameter's {shape} (padded to {padded}, "
+    "split over mesh axis {axis!r} of size {n}). Read parameters inside the module's forward, register other "
+    "methods that use them with jshard.flax.nnx.register_fsdp_forward_method(module, name), or call "
+    "module.unshard() first."
 )
 NOT_ONE_LAYER = (
     "Param `{path}` of {module}, a stack of layers (FullyShardPolicy(scan_axis=0)), holds shape {shape} inside "
@@ -90,10 +93,8 @@ class GuardedParam:
     def get_value(self, **kwargs: Any) -> Any:
         step = nnx_step()
         if step is not None:  # outside the step (most reads) no metadata is looked up
-            refuse_shard_read(self.get_raw_value(), *self.get_metadata("jshard_layout"), step,
-                              leaf=f"Param `{self.get_metadata('jshard_path', '?')}`",
-                              how="inside the step while its fully sharded module's parameters are not gathered",
-                              remedy=SHARD_READ_REMEDY)
+            refuse_shard_read(self.get_raw_value(), *self.get_metadata("jshard_layout"), step, READ_SHARD,
+                              path=self.get_metadata("jshard_path", "?"))
         return super().get_value(**kwargs)
 
 
