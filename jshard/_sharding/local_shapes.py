@@ -23,6 +23,7 @@ from jshard._sharding.step_state import StepState
 
 Shape = tuple[int, ...]
 
+
 @dataclasses.dataclass(frozen=True)
 class LocalShapes:
     """A leaf's shapes as a step sees them: ``full``, the parameter's; ``shard``, this device's

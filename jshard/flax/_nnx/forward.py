@@ -188,7 +188,7 @@ def _holds_one_layer(module: Any, step: Any) -> bool:
         if is_sub:
             continue
         shapes = local_shapes(layout, state.meta.axes, 0, step.axes)
-        stack, layer = (shapes.before_gather(step.holds_shards, layer) for layer in (False, True))
+        stack, layer = (shapes.before_gather(step.holds_shards, one) for one in (False, True))
         shape = tuple(param.get_raw_value().shape)
         if shape not in (stack, layer):
             problem = "which is neither"
