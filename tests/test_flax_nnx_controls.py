@@ -362,3 +362,63 @@ def test_batch_norm_statistics_are_per_device_unless_named_over_the_mesh_axis():
     assert abs(float(per_device) - float(ref_loss)) > 1e-5
     np.testing.assert_allclose(global_batch, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(model.bn.mean[...], reference.bn.mean[...], atol=1e-6)  # running stats too
+
+
+def test_a_param_read_outside_its_forward_names_its_shard():
+    """[Note: shard reads]: the NNX Param guard decides by the core's rule, so its error carries the
+    same facts as a unit's: the parameter's shape, the shard read, the padded shape, the mesh axis."""
+    peek = lambda m, b: tiny_loss(m, b) + m.blocks[1].kernel[...].sum()  # noqa: E731
+    shard = (r"Param `blocks\[1\]\.kernel` of a fully sharded module was read inside the step while its module's "
+             r"parameters are not gathered, so it holds this device's shard \(2, 24\) of the parameter's \(16, 24\) "
+             r"\(padded to \(16, 24\), split over mesh axis 'fsdp' of size 8\)\. Read parameters inside the module's")
+    with pytest.raises(RuntimeError, match=shard):
+        jax.jit(jnnx.value_and_grad(peek)).lower(tiny(), TINY_BATCH)
+
+
+def test_one_layer_of_a_stack_is_known_by_its_exact_shape():
+    """[Note: NNX layer slices]: inside nnx.scan a stacked unit's Params hold one layer, known from
+    the shapes their carried layout allows, not from ``ndim``. A scan over axis 1 hands the layer's
+    module slices of neither shape (``ndim`` took them for one layer, and JAX failed in the gather's
+    VJP); slicing some Params only leaves them disagreeing. Both are refused by name."""
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nnx.Linear(16, 16, rngs=rngs)
+
+    stack = jnnx.fully_shard(create(nnx.Rngs(0)), policy=js.FullyShardPolicy(scan_axis=0))
+
+    def loss_over(axis):
+        run = nnx.scan(lambda x, layer: layer(x), in_axes=(nnx.Carry, axis), out_axes=nnx.Carry)
+        return lambda model, batch: run(batch["x"], model).sum()
+
+    batch = {"x": jnp.ones((8, 16))}
+    jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)  # as Flax writes it: one layer per iteration
+    neither = (r"Param `bias` of the root module \(Linear\), a stack of layers \(FullyShardPolicy\(scan_axis=0\)\), "
+               r"holds shape \(4,\) inside the step, which is neither; its stack's shard is \(4, 2\) and one "
+               r"layer's \(2,\) \(split over mesh axis 'fsdp' of size 8\).*nnx.scan or nnx.vmap over axis 0")
+    with pytest.raises(ValueError, match=neither):
+        jax.jit(jnnx.value_and_grad(loss_over(1))).lower(stack, batch)
+    some_sliced = nnx.StateAxes({nnx.PathContains("kernel"): 0, ...: None})  # bias broadcast whole
+    with pytest.raises(ValueError, match=r"Param `kernel` .* holds shape \(2, 16\) inside the step, while `bias` "
+                                         r"holds its whole stack"):
+        jax.jit(jnnx.value_and_grad(loss_over(some_sliced))).lower(stack, batch)
+    stack.set_requires_gradient_sync(False)  # gathered up front: one layer is the parameter's slice
+    jax.jit(jnnx.value_and_grad(loss_over(0))).lower(stack, batch)
+
+
+def test_a_stack_under_nnx_vmap_gathers_one_layer_per_instance():
+    """[Note: NNX layer slices]: nnx.vmap over a stacked unit (every layer on the same input) hands
+    each instance one layer, known by the same carried shapes as inside nnx.scan."""
+
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return nnx.Linear(16, 16, rngs=rngs)
+
+    run = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None), out_axes=0)
+    loss = lambda m, b: (run(m, b["x"]) ** 2).mean()  # noqa: E731
+    batch = {"x": jnp.arange(128.0).reshape(8, 16) / 128}
+    want = nnx.value_and_grad(loss)(create(nnx.Rngs(0)), batch)[0]
+    stack = jnnx.fully_shard(create(nnx.Rngs(0)), policy=js.FullyShardPolicy(scan_axis=0))
+    np.testing.assert_allclose(jax.jit(jnnx.value_and_grad(loss))(stack, batch)[0], want, rtol=1e-6)

@@ -18,6 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from jshard._sharding.layout import LeafLayout
+from jshard._sharding.local_shapes import refuse_shard_read
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.step_state import active_step
@@ -174,8 +175,8 @@ def _refuse_derivative_jvp(message: str, primals: tuple[Any], tangents: tuple[An
 
 def _check_read(unit: FSDPUnit, key: Any, value: Any) -> Any:
     """``unit.tree[key]``, refusing the two common ways of reading a leaf as a parameter
-    when it is not one: a shard read inside the step (an error now) and a padded global array
-    differentiated outside it (an error if the read value is differentiated)."""
+    when it is not one: a shard read inside the step (an error now, [Note: shard reads]) and a
+    padded global array differentiated outside it (an error if the read value is differentiated)."""
     step = active_step()
     reading_shard = step is not None and step.holds_shards
     traced_outside = step is None and isinstance(value, jax.core.Tracer)
@@ -184,13 +185,11 @@ def _check_read(unit: FSDPUnit, key: Any, value: Any) -> Any:
     layout = _own_layout(unit, key)
     if layout is None or not layout.sharded or layout.ignored:
         return value
-    facts = {"key": key, "shape": layout.shape, "padded": layout.padded_shape, "local": tuple(value.shape),
-             "axis": unit.meta.axes.shard_entry,
-             "n": unit.meta.axes.shard_size}
-    if reading_shard and tuple(value.shape) != layout.shape:
-        raise RuntimeError(READ_SHARD.format(**facts))
+    axes = unit.meta.axes
+    refuse_shard_read(value, layout, axes, unit.meta.policy.scan_axis, step, READ_SHARD, key=key)
     if traced_outside and layout.padding:
-        return _refuse_derivative(value, READ_PADDED.format(**facts))
+        return _refuse_derivative(value, READ_PADDED.format(key=key, shape=layout.shape, padded=layout.padded_shape,
+                                                            axis=axes.shard_entry, n=axes.shard_size))
     return value
 
 

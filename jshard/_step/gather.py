@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -214,10 +213,3 @@ def layer_layout(layout: LeafLayout) -> LeafLayout:
     dim = None if layout.dim is None else layout.dim - 1
     return dataclasses.replace(layout, shape=layout.shape[1:], dim=dim, model=layout.model[1:], layers=None)
 
-
-def is_layer_slice(x: Any, layout: LeafLayout, policy: FullyShardPolicy) -> bool:
-    """Whether ``x`` is one layer of a leaf stacked along axis 0 (inside an ``nnx.scan`` body
-    over a stacked unit), rather than the whole stored leaf. Inferred from ``ndim``: Flax's
-    ``nnx.scan`` leaves no mark on the Variables it slices (``js.scan`` says ``layer=True``;
-    Linen's units say ``scan_axis=0``)."""
-    return policy.scan_axis == 0 and x.ndim == len(layout.shape) - 1

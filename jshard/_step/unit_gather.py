@@ -6,8 +6,9 @@ was not given is an error (:meth:`StepState.unit`); where the step gathered ever
 front (deferred gradient sync) the values are returned as they are; otherwise every own,
 non-ignored leaf is all-gathered in ``param_dtype`` (per leaf, or through one flat buffer
 with ``unit_collectives``). One layer of a stacked unit runs its gather and compute under
-the step's checkpoint (:func:`per_layer`). The guard against reading a shard is the step's
-``holds_shards`` (``step_state.py``), the forward's casts are ``MixedPrecisionPolicy``'s.
+the step's checkpoint (:func:`per_layer`). The guard against reading a shard is
+``refuse_shard_read`` (``_sharding/local_shapes.py``, [Note: shard reads]), the forward's casts
+are ``MixedPrecisionPolicy``'s.
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jshard._sharding.fully_shard import fully_shard as fully_shard_tree
+from jshard._sharding.local_shapes import local_shapes
 from jshard._sharding.mesh import make_mesh
 from jshard._sharding.nested import nest
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.stages import stage_layers
 from jshard._sharding.unit import is_unit
-from jshard.flax._nnx.forward import GuardedParam, forward_method, guarded_class, shard_shapes
+from jshard.flax._nnx.forward import GuardedParam, forward_method, guarded_class
 from jshard.flax._nnx.graph import UnitState, build_unit, describe, member_of, node_at, set_unit_state, unit_state, walk
 from jshard.flax._nnx.module import FSDPModule
 from jshard.flax._paths import Path, attribute_path, entry_paths
@@ -84,7 +85,9 @@ def _check_can_shard(module: Any) -> None:
 
 
 def _guard(param: Any, layout: Any, meta: Any) -> None:
-    if shard_shapes(layout, meta.axes, meta.policy.scan_axis):
+    """A Param whose shard can be told from the parameter becomes a ``Sharded<Name>``
+    ([Note: guarded Params])."""
+    if local_shapes(layout, meta.axes, meta.policy.scan_axis, meta.axes).shard_reads:
         param.__class__ = guarded_class(type(param))
         param.set_metadata(jshard_layout=(layout, meta.axes, meta.policy.scan_axis))
 
