@@ -38,7 +38,7 @@ def _mesh(replicate, shard):
     return js.make_mesh(replicate=replicate, devices=devices)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_round_trip_and_torch_layout(case):
     shape, dtype, dim, replicate, shard, seed = case

@@ -96,7 +96,8 @@ def test_the_batch_overflows_capacity_and_the_balancing_loss_moves_the_weights()
     assert _max_rel(with_aux["blocks"][0]["moe"]["router"], without["blocks"][0]["moe"]["router"]) > 1e-3
 
 
-@pytest.mark.parametrize("data", [2, 4])
+# (data 4 x expert 2) in the slow run: test_gradients_equal_one_device[4] covers that mesh by default.
+@pytest.mark.parametrize("data", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mixtral_trains_like_one_device_in_fp32(data):
     """10 AdamW steps on (data 2 x expert 4) and (data 4 x expert 2), load-balancing loss included."""
     ref_losses, ref = _reference()
@@ -108,7 +109,8 @@ def test_mixtral_trains_like_one_device_in_fp32(data):
     assert w_down.addressable_shards[0].data.size * 8 > CFG.experts * CFG.hidden * CFG.dim  # padded: 17 rows over data
 
 
-@pytest.mark.parametrize("data", [2, 4])
+# (data 4 x expert 2) in the slow run: test_gradients_equal_one_device[4] covers that mesh by default.
+@pytest.mark.parametrize("data", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_plain_jax_model_sharded_with_the_core_api_trains_like_the_nnx_model_on_one_device(data):
     """jshard.demo.moe_jax (pure functions over the dict, its own initializer laying the dict out
     as nnx.split does) sharded by shard_mixtral: 10 AdamW steps within 1e-5 of the unsharded NNX model."""
