@@ -90,10 +90,19 @@ def _sharded(params: dict, mesh: Mesh, mp: js.MixedPrecisionPolicy | None = None
     return js.fully_shard({"w_in": params["w_in"], "w_out": params["w_out"], "stack": stack}, mesh, dense)
 
 
+def _pipelined_loss(p: dict, batch: dict, policy: js.PipelinePolicy) -> jax.Array:
+    """``_loss`` in the step: the stack pipelined, and under 1F1B the head and loss in the schedule."""
+    full = js.unshard(p)
+    h = jnp.tanh(batch["x"] @ full["w_in"])
+    if policy.schedule == "1f1b":
+        head = lambda h, y: jnp.mean((h @ full["w_out"] - y) ** 2)  # noqa: E731
+        return js.pipeline(_layer, h, full["stack"], policy=policy, loss=head, targets=batch["y"])
+    return jnp.mean((js.pipeline(_layer, h, full["stack"], policy=policy) @ full["w_out"] - batch["y"]) ** 2)
+
+
 def _train_step(layers: int, policy: js.PipelinePolicy, tx):
     def loss_fn(p, batch):
-        stack = lambda h, s: js.pipeline(_layer, h, s, policy=policy)  # noqa: E731
-        return _loss(js.unshard(p), batch, stack)
+        return _pipelined_loss(p, batch, policy)
 
     @jax.jit
     def step(sharded, state, batch):
@@ -103,20 +112,22 @@ def _train_step(layers: int, policy: js.PipelinePolicy, tx):
     return step
 
 
-@pytest.mark.parametrize("stages,layers,microbatches,gather", [
-    (2, 5, 4, "per_microbatch"), (4, 7, 4, "once"),  # M = 2S, M = S, both policies: the default run
-    pytest.param(2, 5, 2, "once", marks=pytest.mark.slow),
-    pytest.param(4, 7, 8, "per_microbatch", marks=pytest.mark.slow),
+@pytest.mark.parametrize("stages,layers,microbatches,gather,schedule", [
+    (2, 5, 4, "per_microbatch", "gpipe"), (4, 7, 4, "once", "gpipe"),  # M = 2S, M = S, both policies
+    (2, 5, 2, "per_microbatch", "1f1b"), (2, 5, 4, "once", "1f1b"),  # 1F1B: M = S, M = 2S on both meshes
+    (4, 7, 4, "once", "1f1b"), (4, 7, 8, "per_microbatch", "1f1b"),
+    pytest.param(2, 5, 2, "once", "gpipe", marks=pytest.mark.slow),
+    pytest.param(4, 7, 8, "per_microbatch", "gpipe", marks=pytest.mark.slow),
 ])
-def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, gather):
+def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, gather, schedule):
     """10 AdamW steps, fp32, on (stage 2 x fsdp 4) and (stage 4 x fsdp 2), L not divisible by S,
-    M = S and M = 2S, both gather policies: losses and parameters within 1e-5 of one device."""
+    M = S and M = 2S, both gather policies, both schedules: losses and parameters within 1e-5 of one device."""
     mesh, params, batch = _mesh(stages), _params(layers), _batch()
     ref_losses, ref = _reference(layers)
     tx = shard_optimizer(_adamw())
     sharded = _sharded(params, mesh)
     state = tx.init(sharded)
-    step = _train_step(layers, js.PipelinePolicy(microbatches=microbatches, gather=gather), tx)
+    step = _train_step(layers, js.PipelinePolicy(microbatches=microbatches, gather=gather, schedule=schedule), tx)
     losses = []
     for _ in range(STEPS):
         loss, sharded, state = step(sharded, state, batch)
@@ -127,6 +138,19 @@ def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, 
     padding = [np.asarray(w)[layers:] for w in jax.tree.leaves(sharded["stack"])]  # the stored slots past L
     assert all(len(w) == -(-layers // stages) * stages - layers and not np.any(w) for w in padding)  # stay zero
     assert sharded["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
+
+
+@pytest.mark.parametrize("stages,layers,microbatches,gather", [(2, 5, 4, "per_microbatch"), (4, 7, 4, "once")])
+def test_1f1b_gradients_equal_the_unsharded_ones(stages, layers, microbatches, gather):
+    """One step's loss and gradients (AdamW's parity above hides a constant factor on them) within
+    1e-5 of one device's: the schedule's per-microbatch backward, the head's gradients, the input's."""
+    params, batch = _params(layers), _batch()
+    ref_loss, ref = jax.value_and_grad(lambda p: _loss(p, batch, _scan_stack))(params)
+    policy = js.PipelinePolicy(microbatches=microbatches, gather=gather, schedule="1f1b")
+    grad_fn = js.value_and_grad(lambda p, b: _pipelined_loss(p, b, policy), unshard_params=False)
+    loss, grads = jax.jit(grad_fn)(_sharded(params, _mesh(stages)), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), js.unshard(grads), ref)
 
 
 def _compiled(stages: int, layers: int, policy: js.PipelinePolicy, width: int, batch: int):
@@ -215,6 +239,13 @@ def test_pipeline_misuse_is_named():
     with pytest.raises(ValueError, match=r"the 4 rows the 2 stages \(mesh axis 'stage'\) share do not split into "
                                          r"3 microbatches; make the global batch a multiple of 24 \(lcm\(M=3, S=2\)"):
         step(_stage_stack(mesh), policy=js.PipelinePolicy(microbatches=3))
+    with pytest.raises(ValueError, match=r"schedule='1f1b'\) runs each microbatch's backward inside the schedule, "
+                                         r"from its loss on the last stage: pass loss="):
+        step(_stage_stack(mesh), policy=js.PipelinePolicy(schedule="1f1b"))
+    with pytest.raises(ValueError, match=r"targets\['y'\] of shape \(3,\) does not hold this device's 2 rows on dim 0"):
+        jax.jit(js.value_and_grad(lambda p, x: js.pipeline(_layer, x, p["stack"], loss=lambda h, t: h.mean(),
+                                                           targets={"y": jnp.ones(3)}), unshard_params=False))(
+            js.fully_shard({"stack": _stage_stack(mesh), "scale": np.ones(D, np.float32)}, mesh, dense), x)
     with pytest.raises(ValueError, match=r"js.scan got a stack whose layer axis 0 is split over mesh axes "
                                          r"\('stage',\).*run it with js.pipeline"):
         jax.jit(js.value_and_grad(lambda s, x: js.scan(lambda h, layer: (_layer(h, layer), None), x, s)[0].mean(),
@@ -235,6 +266,8 @@ def test_pipeline_policy_is_validated():
         js.PipelinePolicy(gather="twice")
     with pytest.raises(ValueError, match=r"`microbatches` must be a positive int or None .*got 0"):
         js.PipelinePolicy(microbatches=0)
+    with pytest.raises(ValueError, match=r"`schedule` must be one of \('gpipe', '1f1b'\), got 'pipedream'"):
+        js.PipelinePolicy(schedule="pipedream")
     with pytest.raises(ValueError, match=r"`axis` must be a mesh axis name, got ''"):
         js.PipelinePolicy(axis="")
     with pytest.raises(ValueError, match=r"The mesh \{'stage': 2, 'fsdp': 4\} has no axis 'pipe'"):
