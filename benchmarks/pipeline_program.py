@@ -75,8 +75,11 @@ def pipeline_step(devices, stages: int, layers: int, width: int, batch: int, pol
 
     def loss_fn(p, b):
         dense = js.unshard(p)
-        h = js.pipeline(_layer, jnp.tanh(b["x"] @ dense["w_in"]), p["stack"], policy=policy)
-        return jnp.mean((h @ dense["w_out"] - b["y"]) ** 2)
+        h = jnp.tanh(b["x"] @ dense["w_in"])
+        head = lambda h, y: jnp.mean((h @ dense["w_out"] - y) ** 2)  # noqa: E731
+        if policy.schedule == "1f1b":  # the head and the loss run per microbatch inside the schedule
+            return js.pipeline(_layer, h, p["stack"], policy=policy, loss=head, targets=b["y"])
+        return head(js.pipeline(_layer, h, p["stack"], policy=policy), b["y"])
 
     data = {"x": sds((batch, D_IN), jnp.float32), "y": sds((batch, D_OUT), jnp.float32)}
     lowered = jax.jit(js.value_and_grad(loss_fn, unshard_params=False)).lower(params, data)

@@ -41,6 +41,7 @@ from jshard._sharding.stages import stage_size
 from jshard._sharding.step_state import StepState, active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
 from jshard._step.pipeline_1f1b import one_f_one_b
+from jshard._step.remat import depend
 from jshard._step.unit_gather import gather_for_compute, per_layer
 
 
@@ -70,14 +71,16 @@ def _stage(body: Callable, stack: FSDPUnit, step: StepState, policy: PipelinePol
     layer per ``policy``) and ``run(weights, h)``: its ``K`` layers on one microbatch."""
     first = jax.lax.axis_index(policy.axis) * per_stage
     entries = stack.own_entries()
-    once = policy.gather == "once"
+    once, tied = policy.gather == "once", policy.schedule == "1f1b"
     if once:
         entries = gather_for_compute(stack.meta, entries, step)
 
     def layer(h, xs):
         j, slices = xs
-        weights = slices if once else gather_for_compute(stack.meta, slices, step, layer=True)
-        return jnp.where(first + j < layers, body(h, stack.with_entries(weights)), h), None
+        if not once:  # under 1F1B's jax.vjp, tied to h: a gather needing only weights would be hoisted
+            slices = gather_for_compute(stack.meta, [depend(w, [h]) for w in slices] if tied else slices, step,
+                                        layer=True)
+        return jnp.where(first + j < layers, body(h, stack.with_entries(slices)), h), None
 
     checkpointed = per_layer(step, layer)
     return list(entries), lambda weights, h: jax.lax.scan(checkpointed, h, (jnp.arange(per_stage), weights))[0]
