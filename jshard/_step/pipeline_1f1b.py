@@ -34,7 +34,11 @@ reduce-scattered and divided as every gather's do), or layers gathered once befo
 schedule (their full gradients accumulate, and the gather's own VJP reduce-scatters them
 once). Values the layer body or the loss close over (the head's gathered weights) become
 explicit inputs (``_hoisted``), so their gradients are accumulated and returned too. The
-loss's targets are not differentiated.
+loss's targets are not differentiated. Shards gathered per layer are ``depend``-ed on the
+layer's input (``pipeline._stage``): ``jax.vjp`` of the stage otherwise computed every layer's
+gather, which reads only weights, in a loop of its own ahead of the layers, holding the
+stage's ``K`` gathered layers and a copy (XLA:CPU, ``S = 2``, ``K = 4``, width 256, ``M = 2``:
+2.41 MiB of temporaries, 1.46 tied).
 """
 
 from __future__ import annotations
