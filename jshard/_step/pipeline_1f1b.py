@@ -49,7 +49,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
+
+from jshard._step.remat import SAVED
 
 
 def _hoisted(fn: Callable, *examples: Any) -> tuple[Callable, list[jax.Array], list[jax.Array]]:
@@ -179,7 +182,8 @@ def one_f_one_b(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callab
         run_stage = lambda w, x: stage(w[1], others, w[0], x)  # noqa: E731
         run_loss = lambda h_consts, h, y: loss(h_consts, head_others, h, y)  # noqa: E731
         total, grads, dxs = _schedule(run_stage, run_loss, axis, stages, weights, head, xs, ys)
-        return jax.lax.psum(total, axis).astype(dtype), (grads, dxs)
+        saved = jax.tree.map(lambda r: checkpoint_name(r, SAVED), (grads, dxs))  # kept by the step's checkpoint
+        return jax.lax.psum(total, axis).astype(dtype), saved
 
     def backward(res, g):
         (dw, d_head), dxs = res
