@@ -1,5 +1,6 @@
-"""Pipeline stages over FSDP: a stack of L layers run as S stages over ``stage`` (GPipe), each
-stage's layers FSDP-sharded over ``fsdp``, against the unsharded model ([Note: pipeline schedule])."""
+"""Pipeline stages over FSDP: a stack of L layers run as S stages over ``stage`` (GPipe and 1F1B),
+each stage's layers FSDP-sharded over ``fsdp``, against the unsharded model ([Note: pipeline
+schedule], [Note: 1F1B schedule])."""
 
 import functools
 
@@ -318,6 +319,30 @@ def test_pipeline_on_the_tpu_compiler():
     matrices = [c for c in found
                 if c.kind == "all-gather" and c.axes == ("fsdp",) and c.shapes[0][-2:] == (width, width)]
     assert sum(c.executions for c in matrices) == 2 * ticks * per_stage
+
+
+def test_1f1b_on_the_tpu_compiler():
+    """XLA:TPU (v5p 2x2x2, compile only), 1F1B, S=2, L=5, M=4: the middle loop runs M = 4 steps
+    with one ppermute of a microbatch each way, the warm-up one forward send (the cool-down's
+    last send, to no reader, is gone): 2M + 1 in all; the stage's matrices are gathered over
+    ``fsdp`` 2 (M + S - 1) K times, as under GPipe."""
+    from jax.experimental import topologies
+
+    from benchmarks.pipeline_program import pipeline_step
+    from jshard._report.step_collectives import step_collectives
+
+    stages, layers, m, width, batch = 2, 5, 4, 256, 64
+    devices = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices
+    policy = js.PipelinePolicy(microbatches=m, schedule="1f1b")
+    mesh, lowered, compiled = pipeline_step(devices, stages, layers, width, batch, policy)
+    found = step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert {c.axes for c in permutes} == {("stage",)} and {c.trip_count for c in permutes} == {m, None}
+    microbatch = batch // 4 // m * width * 4
+    assert sum(c.wire_bytes_per_step for c in permutes) == (2 * m + 1) * microbatch
+    matrices = [c for c in found
+                if c.kind == "all-gather" and c.axes == ("fsdp",) and c.shapes[0][-2:] == (width, width)]
+    assert sum(c.executions for c in matrices) == 2 * (m + stages - 1) * -(-layers // stages)
 
 
 def test_the_docs_pipeline_example_runs(capsys):
