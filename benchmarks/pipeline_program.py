@@ -7,9 +7,9 @@ For (S, L) in (2, 5), (4, 7), M in (S, 2S), both schedules and both gather polic
 microbatches; the stack's all-gather and reduce-scatter bytes over ``fsdp`` against the
 policy's figure (f32); all-reduce bytes; arguments against the analytic sum; temporaries;
 matmul FLOPs per device against the one-device step's / 8 times ``(M+S-1)/M x S K/L`` (the
-bubble and the identity layers). ``--memory``: temporaries of both schedules against M (8
-rows per microbatch, the batch growing with M), their slope per microbatch against the
-analytic ``K A`` and the rows'.
+bubble and the identity layers). ``--memory``: temporaries and live peak of both schedules
+against M (8 rows per microbatch, the batch growing with M), their slope per microbatch
+against the analytic ``K A`` and the rows'.
 
     python -m benchmarks.pipeline_program                 # 8 simulated CPU devices
     python -m benchmarks.pipeline_program --target tpu    # XLA:TPU, v5p 2x2x2, compile only
@@ -121,24 +121,30 @@ def _row(devices, stages: int, layers: int, m: int, gather: str, schedule: str, 
 
 
 def _memory_over_m(devices, stages: int, layers: int, width: int, rows: int) -> list[str]:
-    """Temporaries against M with ``rows`` rows per microbatch of a column (the batch grows with M),
-    and their slope per microbatch against the analytic figures (``A``: one layer's saved
-    activations of one microbatch, 3 ``(rows, width)`` f32 arrays for this layer)."""
+    """Temporaries and XLA's live peak against M with ``rows`` rows per microbatch of a column
+    (the batch grows with M), and their slope per microbatch from the first M to the last, against
+    the analytic figures (``A``: one layer's saved activations of one microbatch, 3 ``(rows, width)``
+    f32 arrays for this layer; XLA:CPU's peak does not follow the program, XLA:TPU's does)."""
     import jshard as js
 
     fsdp, per_stage = 8 // stages, -(-layers // stages)
     activation = rows * width * 4
     lines, ms = [], (stages, 2 * stages, 4 * stages, 8 * stages)
     for schedule in ("gpipe", "1f1b"):
-        temp = []
+        temp, peak = [], []
         for m in ms:
             policy = js.PipelinePolicy(microbatches=m, schedule=schedule)
-            temp.append(pipeline_step(devices, stages, layers, width, fsdp * m * rows, policy)[2]
-                        .memory_analysis().temp_size_in_bytes)
-        slope = (temp[-1] - temp[-2]) / (ms[-1] - ms[-2])
+            memory = pipeline_step(devices, stages, layers, width, fsdp * m * rows, policy)[2].memory_analysis()
+            temp.append(memory.temp_size_in_bytes)
+            peak.append(memory.peak_memory_in_bytes)
+
+        def slope(values):
+            return (values[-1] - values[0]) / (ms[-1] - ms[0]) / activation
+
         lines.append(f"S={stages} K={per_stage} {schedule:5s} M={ms} temp={[round(t / 2**20, 3) for t in temp]} MiB "
-                     f"slope={slope:.0f} B/microbatch = {slope / activation:.2f} x (rows, width) f32; "
-                     f"K A = {3 * per_stage} x, rows (2 + 2/S) = {2 + 2 / stages:.1f} x")
+                     f"peak={[round(p / 2**20, 3) for p in peak]} MiB; per microbatch: temp {slope(temp):.2f}, "
+                     f"peak {slope(peak):.2f} x (rows, width) f32 against K A = {3 * per_stage}, "
+                     f"rows (2 + 2/S) = {2 + 2 / stages:.1f}")
     return lines
 
 

@@ -1,4 +1,5 @@
-"""``pipeline``: a stack of layers run as pipeline stages over a ``stage`` mesh axis (GPipe).
+"""``pipeline``: a stack of layers run as pipeline stages over a ``stage`` mesh axis (GPipe; 1F1B
+in ``pipeline_1f1b.py``).
 
 [Note: pipeline schedule] The step is manual over ``stage`` as over every data-parallel axis
 ([Note: step axes]): the stack, split over ``stage`` on its layer axis, is a unit sharded over
