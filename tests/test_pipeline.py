@@ -214,7 +214,7 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
     assert compiled.memory_analysis().argument_size_in_bytes == (dense + stack_share + rows) * 4
 
 
-@pytest.mark.parametrize("stages,ms", [(2, (4, 8)), (4, (8, 16))])
+@pytest.mark.parametrize("stages,ms", [pytest.param(2, (4, 8), marks=pytest.mark.slow), (4, (8, 16))])
 def test_1f1b_keeps_activations_of_2S_1_microbatches_not_M(stages, ms):
     """From the compiled step on (stage S x fsdp 8/S), L=7, width 256, microbatches of 8 rows
     per column (the batch grows with M): GPipe's temporaries grow by at least one microbatch's
