@@ -188,7 +188,7 @@ def one_f_one_b(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callab
     def backward(res, g):
         (dw, d_head), dxs = res
         scale = jax.lax.psum(g, axis)  # each stage of the column returned the column's loss
-        scaled = jax.tree.map(lambda d: (d * scale).astype(d.dtype), (dw, d_head, dxs))
+        scaled = jax.tree.map(lambda d: d * scale.astype(d.dtype), (dw, d_head, dxs))
         return (*scaled, jax.tree.map(_zero_cotangent, shapes))
 
     scheduled = jax.custom_vjp(lambda weights, head, xs, fixed: forward(weights, head, xs, fixed)[0])
