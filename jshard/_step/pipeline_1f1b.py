@@ -138,12 +138,11 @@ def _schedule(stage: Callable, loss: Callable, axis: str, stages: int, weights: 
     def steady(carry, t):
         received, cotangent, ring, acc, head_acc = carry
         run, ring = forward(t, received, ring)
-        y = jax.tree.map(lambda v: v[jnp.clip(t - last, 0, m - 1)], ys)
+        y = jax.tree.map(lambda v: v[t - last], ys)  # the last stage's microbatch, run forward just now
         value, pull = jax.vjp(lambda head, h: loss(head, h, y), head, run.out)
         d_head, d_out = pull(jnp.asarray(1 / m, value.dtype))
-        on_last = (s == last) & (t - last < m)
         cotangent, acc = backward(t, run, jnp.where(s == last, d_out, cotangent), ring, acc)
-        head_acc = _add_where(on_last, head_acc, (d_head, value.astype(jnp.float32) / m))
+        head_acc = _add_where(s == last, head_acc, (d_head, value.astype(jnp.float32) / m))
         return (jax.lax.ppermute(run.out, axis, forward_shift), cotangent, ring, acc, head_acc), None
 
     def cool_down(carry, t):
