@@ -1,5 +1,6 @@
-"""Pipeline stages over FSDP: a stack of L layers run as S stages over ``stage`` (GPipe), each
-stage's layers FSDP-sharded over ``fsdp``, against the unsharded model ([Note: pipeline schedule])."""
+"""Pipeline stages over FSDP: a stack of L layers run as S stages over ``stage`` (GPipe and 1F1B),
+each stage's layers FSDP-sharded over ``fsdp``, against the unsharded model ([Note: pipeline
+schedule], [Note: 1F1B schedule])."""
 
 import functools
 
@@ -90,10 +91,19 @@ def _sharded(params: dict, mesh: Mesh, mp: js.MixedPrecisionPolicy | None = None
     return js.fully_shard({"w_in": params["w_in"], "w_out": params["w_out"], "stack": stack}, mesh, dense)
 
 
+def _pipelined_loss(p: dict, batch: dict, policy: js.PipelinePolicy) -> jax.Array:
+    """``_loss`` in the step: the stack pipelined, and under 1F1B the head and loss in the schedule."""
+    full = js.unshard(p)
+    h = jnp.tanh(batch["x"] @ full["w_in"])
+    if policy.schedule == "1f1b":
+        head = lambda h, y: jnp.mean((h @ full["w_out"] - y) ** 2)  # noqa: E731
+        return js.pipeline(_layer, h, full["stack"], policy=policy, loss=head, targets=batch["y"])
+    return jnp.mean((js.pipeline(_layer, h, full["stack"], policy=policy) @ full["w_out"] - batch["y"]) ** 2)
+
+
 def _train_step(layers: int, policy: js.PipelinePolicy, tx):
     def loss_fn(p, batch):
-        stack = lambda h, s: js.pipeline(_layer, h, s, policy=policy)  # noqa: E731
-        return _loss(js.unshard(p), batch, stack)
+        return _pipelined_loss(p, batch, policy)
 
     @jax.jit
     def step(sharded, state, batch):
@@ -103,20 +113,22 @@ def _train_step(layers: int, policy: js.PipelinePolicy, tx):
     return step
 
 
-@pytest.mark.parametrize("stages,layers,microbatches,gather", [
-    (2, 5, 4, "per_microbatch"), (4, 7, 4, "once"),  # M = 2S, M = S, both policies: the default run
-    pytest.param(2, 5, 2, "once", marks=pytest.mark.slow),
-    pytest.param(4, 7, 8, "per_microbatch", marks=pytest.mark.slow),
+@pytest.mark.parametrize("stages,layers,microbatches,gather,schedule", [
+    (2, 5, 4, "per_microbatch", "gpipe"), (4, 7, 4, "once", "gpipe"),  # M = 2S, M = S, both policies
+    (2, 5, 2, "per_microbatch", "1f1b"), (2, 5, 4, "once", "1f1b"),  # 1F1B: M = S, M = 2S on both meshes
+    (4, 7, 4, "once", "1f1b"), (4, 7, 8, "per_microbatch", "1f1b"),
+    pytest.param(2, 5, 2, "once", "gpipe", marks=pytest.mark.slow),
+    pytest.param(4, 7, 8, "per_microbatch", "gpipe", marks=pytest.mark.slow),
 ])
-def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, gather):
+def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, gather, schedule):
     """10 AdamW steps, fp32, on (stage 2 x fsdp 4) and (stage 4 x fsdp 2), L not divisible by S,
-    M = S and M = 2S, both gather policies: losses and parameters within 1e-5 of one device."""
+    M = S and M = 2S, both gather policies, both schedules: losses and parameters within 1e-5 of one device."""
     mesh, params, batch = _mesh(stages), _params(layers), _batch()
     ref_losses, ref = _reference(layers)
     tx = shard_optimizer(_adamw())
     sharded = _sharded(params, mesh)
     state = tx.init(sharded)
-    step = _train_step(layers, js.PipelinePolicy(microbatches=microbatches, gather=gather), tx)
+    step = _train_step(layers, js.PipelinePolicy(microbatches=microbatches, gather=gather, schedule=schedule), tx)
     losses = []
     for _ in range(STEPS):
         loss, sharded, state = step(sharded, state, batch)
@@ -127,6 +139,19 @@ def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, 
     padding = [np.asarray(w)[layers:] for w in jax.tree.leaves(sharded["stack"])]  # the stored slots past L
     assert all(len(w) == -(-layers // stages) * stages - layers and not np.any(w) for w in padding)  # stay zero
     assert sharded["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
+
+
+@pytest.mark.parametrize("stages,layers,microbatches,gather", [(2, 5, 4, "per_microbatch"), (4, 7, 4, "once")])
+def test_1f1b_gradients_equal_the_unsharded_ones(stages, layers, microbatches, gather):
+    """One step's loss and gradients (AdamW's parity above hides a constant factor on them) within
+    1e-5 of one device's: the schedule's per-microbatch backward, the head's gradients, the input's."""
+    params, batch = _params(layers), _batch()
+    ref_loss, ref = jax.value_and_grad(lambda p: _loss(p, batch, _scan_stack))(params)
+    policy = js.PipelinePolicy(microbatches=microbatches, gather=gather, schedule="1f1b")
+    grad_fn = js.value_and_grad(lambda p, b: _pipelined_loss(p, b, policy), unshard_params=False)
+    loss, grads = jax.jit(grad_fn)(_sharded(params, _mesh(stages)), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), js.unshard(grads), ref)
 
 
 def _compiled(stages: int, layers: int, policy: js.PipelinePolicy, width: int, batch: int):
@@ -189,6 +214,30 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
     assert compiled.memory_analysis().argument_size_in_bytes == (dense + stack_share + rows) * 4
 
 
+@pytest.mark.parametrize("stages,ms", [pytest.param(2, (4, 8), marks=pytest.mark.slow), (4, (8, 16))])
+def test_1f1b_keeps_activations_of_2S_1_microbatches_not_M(stages, ms):
+    """From the compiled step on (stage S x fsdp 8/S), L=7, width 256, microbatches of 8 rows
+    per column (the batch grows with M): GPipe's temporaries grow by at least one microbatch's
+    saved activations K A per microbatch (A: one layer's, 3 x (8, 256) f32 here: h, tanh, 1 - tanh^2),
+    1F1B's, past its min(2S - 1, M) slots, only by the rows ((2 + 2/S) x 8 x 256 f32: the
+    stages' rows and their cotangents, this device's rows and theirs; 25% allowed for the narrow
+    inputs and targets) and stay below GPipe's."""
+    from benchmarks.pipeline_program import pipeline_step
+
+    layers, width, rows = 7, 256, 8
+    per_stage, fsdp = -(-layers // stages), 8 // stages
+    temp = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in ms:
+            policy = js.PipelinePolicy(microbatches=m, schedule=schedule)
+            compiled = pipeline_step(jax.devices(), stages, layers, width, fsdp * m * rows, policy)[2]
+            temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
+    activation, (few, many) = rows * width * 4, ms
+    assert (temp["gpipe", many] - temp["gpipe", few]) / (many - few) >= per_stage * 3 * activation
+    assert (temp["1f1b", many] - temp["1f1b", few]) / (many - few) <= 1.25 * (2 + 2 / stages) * activation
+    assert temp["1f1b", many] < temp["gpipe", many]
+
+
 def _stage_stack(mesh: Mesh, layers: int = 5, staged: bool = True):
     stack = {"w": np.ones((layers, D, D), np.float32), "b": np.zeros((layers, D), np.float32)}
     on_fsdp = js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"))
@@ -215,6 +264,13 @@ def test_pipeline_misuse_is_named():
     with pytest.raises(ValueError, match=r"the 4 rows the 2 stages \(mesh axis 'stage'\) share do not split into "
                                          r"3 microbatches; make the global batch a multiple of 24 \(lcm\(M=3, S=2\)"):
         step(_stage_stack(mesh), policy=js.PipelinePolicy(microbatches=3))
+    with pytest.raises(ValueError, match=r"schedule='1f1b'\) runs each microbatch's backward inside the schedule, "
+                                         r"from its loss on the last stage: pass loss="):
+        step(_stage_stack(mesh), policy=js.PipelinePolicy(schedule="1f1b"))
+    with pytest.raises(ValueError, match=r"targets\['y'\] of shape \(3,\) does not hold this device's 2 rows on dim 0"):
+        jax.jit(js.value_and_grad(lambda p, x: js.pipeline(_layer, x, p["stack"], loss=lambda h, t: h.mean(),
+                                                           targets={"y": jnp.ones(3)}), unshard_params=False))(
+            js.fully_shard({"stack": _stage_stack(mesh), "scale": np.ones(D, np.float32)}, mesh, dense), x)
     with pytest.raises(ValueError, match=r"js.scan got a stack whose layer axis 0 is split over mesh axes "
                                          r"\('stage',\).*run it with js.pipeline"):
         jax.jit(js.value_and_grad(lambda s, x: js.scan(lambda h, layer: (_layer(h, layer), None), x, s)[0].mean(),
@@ -235,6 +291,8 @@ def test_pipeline_policy_is_validated():
         js.PipelinePolicy(gather="twice")
     with pytest.raises(ValueError, match=r"`microbatches` must be a positive int or None .*got 0"):
         js.PipelinePolicy(microbatches=0)
+    with pytest.raises(ValueError, match=r"`schedule` must be one of \('gpipe', '1f1b'\), got 'pipedream'"):
+        js.PipelinePolicy(schedule="pipedream")
     with pytest.raises(ValueError, match=r"`axis` must be a mesh axis name, got ''"):
         js.PipelinePolicy(axis="")
     with pytest.raises(ValueError, match=r"The mesh \{'stage': 2, 'fsdp': 4\} has no axis 'pipe'"):
@@ -263,17 +321,43 @@ def test_pipeline_on_the_tpu_compiler():
     assert sum(c.executions for c in matrices) == 2 * ticks * per_stage
 
 
+def test_1f1b_on_the_tpu_compiler():
+    """XLA:TPU (v5p 2x2x2, compile only), 1F1B, S=2, L=5, M=4: the middle loop runs M = 4 steps
+    with one ppermute of a microbatch each way, the warm-up one forward send (the cool-down's
+    last send, to no reader, is gone): 2M + 1 in all; the stage's matrices are gathered over
+    ``fsdp`` 2 (M + S - 1) K times, as under GPipe."""
+    from jax.experimental import topologies
+
+    from benchmarks.pipeline_program import pipeline_step
+    from jshard._report.step_collectives import step_collectives
+
+    stages, layers, m, width, batch = 2, 5, 4, 256, 64
+    devices = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices
+    policy = js.PipelinePolicy(microbatches=m, schedule="1f1b")
+    mesh, lowered, compiled = pipeline_step(devices, stages, layers, width, batch, policy)
+    found = step_collectives(compiled.as_text(), lowered.as_text(), dict(mesh.shape))
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert {c.axes for c in permutes} == {("stage",)} and {c.trip_count for c in permutes} == {m, None}
+    microbatch = batch // 4 // m * width * 4
+    assert sum(c.wire_bytes_per_step for c in permutes) == (2 * m + 1) * microbatch
+    matrices = [c for c in found
+                if c.kind == "all-gather" and c.axes == ("fsdp",) and c.shapes[0][-2:] == (width, width)]
+    assert sum(c.executions for c in matrices) == 2 * (m + stages - 1) * -(-layers // stages)
+
+
 def test_the_docs_pipeline_example_runs(capsys):
     assert docs_example_output("docs/parallelism.md", "pipeline-example", capsys)[:2] == ["P('stage', 'fsdp')", "True"]
 
 
-def test_bf16_mixed_precision_stays_within_its_tolerance():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bf16_mixed_precision_stays_within_its_tolerance(schedule):
     """bf16 gathers, compute and activations between stages, fp32 reductions and masters, on
     (stage 2 x fsdp 4), L=5, M=4, against the one-device model computing in bf16 from fp32
-    masters. The activations travel between stages in bf16 (read from the lowered program:
-    XLA:CPU runs bf16 collectives in f32). Measured over 10 AdamW steps: the first four losses
-    equal, the others equal or one bf16 ulp apart (0.56% at most; the loss is a bf16 mean); the
-    one-device bf16 run is itself up to 0.84% from fp32."""
+    masters. The activations (and 1F1B's cotangents) travel between stages in bf16 (read from
+    the lowered program: XLA:CPU runs bf16 collectives in f32). Measured over 10 AdamW steps:
+    the first four losses equal, the others equal or one bf16 ulp apart (0.56% at most under
+    GPipe, 0.70% under 1F1B; the loss is a bf16 mean); the one-device bf16 run is itself up to
+    0.84% from fp32."""
     import re
 
     mesh, params, batch = _mesh(2), _params(5), _batch()
@@ -281,9 +365,10 @@ def test_bf16_mixed_precision_stays_within_its_tolerance():
     tx = shard_optimizer(_adamw())
     sharded = _sharded(params, mesh, mp)
     state = tx.init(sharded)
-    step = _train_step(5, js.PipelinePolicy(microbatches=4), tx)
+    step = _train_step(5, js.PipelinePolicy(microbatches=4, schedule=schedule), tx)
     permutes = re.findall(r"collective_permute.*?-> tensor<([^>]*)>", step.lower(sharded, state, batch).as_text())
-    assert len(permutes) == 2 and all(t.endswith("xbf16") for t in permutes), permutes
+    sends = 2 if schedule == "gpipe" else 4  # 1F1B: warm-up, the middle loop's two, cool-down
+    assert len(permutes) == sends and all(t.endswith("xbf16") for t in permutes), permutes
     losses = []
     for _ in range(STEPS):
         loss, sharded, state = step(sharded, state, batch)
@@ -293,9 +378,11 @@ def test_bf16_mixed_precision_stays_within_its_tolerance():
     np.testing.assert_allclose(losses, bf16_losses, rtol=2**-7)  # the bf16 loss: one ulp at most
 
 
-def test_tensor_parallel_as_a_third_axis():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tensor_parallel_as_a_third_axis(schedule):
     """(stage 2 x fsdp 2 x tp 2), L=5, M=4: each layer's matrix column-parallel over ``tp`` (placed
-    before ``stage_layers``, which keeps that split): 10 AdamW steps within 1e-5 of one device."""
+    before ``stage_layers``, which keeps that split): 10 AdamW steps within 1e-5 of one device,
+    under both schedules (1F1B: GSPMD's tensor parallelism inside each microbatch's ``jax.vjp``)."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -307,7 +394,7 @@ def test_tensor_parallel_as_a_third_axis():
     sharded = _sharded(params, mesh)
     assert sharded["stack"]["w"].sharding.spec == P("stage", "fsdp", "tp")
     state = tx.init(sharded)
-    step = _train_step(5, js.PipelinePolicy(microbatches=4), tx)
+    step = _train_step(5, js.PipelinePolicy(microbatches=4, schedule=schedule), tx)
     losses = []
     for _ in range(STEPS):
         loss, sharded, state = step(sharded, state, batch)

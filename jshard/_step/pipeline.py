@@ -1,4 +1,5 @@
-"""``pipeline``: a stack of layers run as pipeline stages over a ``stage`` mesh axis (GPipe).
+"""``pipeline``: a stack of layers run as pipeline stages over a ``stage`` mesh axis (GPipe; 1F1B
+in ``pipeline_1f1b.py``).
 
 [Note: pipeline schedule] The step is manual over ``stage`` as over every data-parallel axis
 ([Note: step axes]): the stack, split over ``stage`` on its layer axis, is a unit sharded over
@@ -40,6 +41,8 @@ from jshard._sharding.policies import PipelinePolicy
 from jshard._sharding.stages import stage_size
 from jshard._sharding.step_state import StepState, active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
+from jshard._step.pipeline_1f1b import one_f_one_b
+from jshard._step.remat import depend
 from jshard._step.unit_gather import gather_for_compute, per_layer
 
 
@@ -64,21 +67,24 @@ def _stack_layers(stack: Any, axis: str) -> int:
 
 
 def _stage(body: Callable, stack: FSDPUnit, step: StepState, policy: PipelinePolicy, layers: int,
-           per_stage: int) -> Callable[[jax.Array], jax.Array]:
-    """One stage's ``K`` layers on one microbatch, this stage's weights gathered per ``policy``."""
+           per_stage: int) -> tuple[list[Any], Callable[[list[Any], jax.Array], jax.Array]]:
+    """This stage's weights as the schedule takes them (gathered once, or shards gathered per
+    layer per ``policy``) and ``run(weights, h)``: its ``K`` layers on one microbatch."""
     first = jax.lax.axis_index(policy.axis) * per_stage
     entries = stack.own_entries()
-    once = policy.gather == "once"
+    once, tied = policy.gather == "once", policy.schedule == "1f1b"
     if once:
         entries = gather_for_compute(stack.meta, entries, step)
 
     def layer(h, xs):
         j, slices = xs
-        weights = slices if once else gather_for_compute(stack.meta, slices, step, layer=True)
-        return jnp.where(first + j < layers, body(h, stack.with_entries(weights)), h), None
+        if not once:  # under 1F1B's jax.vjp, tied to h: a gather needing only weights would be hoisted
+            slices = gather_for_compute(stack.meta, [depend(w, [h]) for w in slices] if tied else slices, step,
+                                        layer=True)
+        return jnp.where(first + j < layers, body(h, stack.with_entries(slices)), h), None
 
     checkpointed = per_layer(step, layer)
-    return lambda h: jax.lax.scan(checkpointed, h, (jnp.arange(per_stage), list(entries)))[0]
+    return list(entries), lambda weights, h: jax.lax.scan(checkpointed, h, (jnp.arange(per_stage), weights))[0]
 
 
 def _gpipe(run_stage: Callable, xs: jax.Array, axis: str, stages: int) -> jax.Array:
@@ -98,9 +104,18 @@ def _gpipe(run_stage: Callable, xs: jax.Array, axis: str, stages: int) -> jax.Ar
     return outputs
 
 
+def _check_targets(targets: Any, rows: int) -> None:
+    for path, y in jax.tree_util.tree_flatten_with_path(targets)[0]:
+        if getattr(y, "ndim", 0) == 0 or y.shape[0] != rows:
+            raise ValueError(
+                f"js.pipeline: targets{jax.tree_util.keystr(path)} of shape {tuple(getattr(y, 'shape', ()))} does not "
+                f"hold this device's {rows} rows on dim 0 as x does; pass the targets of x's rows (the step's batch).")
+
+
 def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: FSDPUnit, *,
-             policy: PipelinePolicy | None = None) -> jax.Array:
-    """``L`` stacked layers run as ``S`` pipeline stages over ``policy.axis``, GPipe schedule.
+             policy: PipelinePolicy | None = None, loss: Callable[[jax.Array, Any], jax.Array] | None = None,
+             targets: Any = None) -> jax.Array:
+    """``L`` stacked layers run as ``S`` pipeline stages over ``policy.axis``, GPipe or 1F1B schedule.
 
     Inside the step (local view) ``x`` is this device's rows of the activations; they go
     through ``M`` microbatches and the stages ([Note: pipeline schedule]) and come back as
@@ -111,6 +126,14 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
     the batch is split over it. In the global view (evaluation) it runs the ``L`` layers in
     a plain ``lax.scan``.
 
+    With ``loss``, the rest of the model and the loss run per microbatch too and the result
+    is the loss: ``schedule="1f1b"`` needs it, since each microbatch's backward starts at its
+    loss on the last stage ([Note: 1F1B schedule]). ``loss(h, targets)`` must be a mean over
+    the rows of ``h`` (as the step's own microbatches assume): the 1F1B schedule returns its
+    mean over the microbatches of the stages' rows, the GPipe schedule ``loss`` of this
+    device's rows; the step's average over devices is the same. It may read gathered weights
+    (the head's): their gradients are returned; ``targets`` are not differentiated.
+
     Args:
       body: ``(h, layer) -> h``, one layer (``layer``: its full parameters, a tree like the stack's).
       x: the activations entering the stack, an array with the batch on dim 0.
@@ -119,9 +142,11 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
         count ``L`` (the stack holds ``S * ceil(L / S)`` slots; the rest are padding, run as
         identities).
       policy: a :class:`jshard.PipelinePolicy` (default ``PipelinePolicy()``).
+      loss: ``(h, targets) -> scalar``, the model after the stack and its loss, a mean over the rows.
+      targets: a pytree of arrays with ``x``'s rows on dim 0 (labels), passed to ``loss`` row for row.
 
     Returns:
-      ``h`` after the ``L`` layers, shaped like ``x``.
+      ``h`` after the ``L`` layers, shaped like ``x``; with ``loss``, the loss.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jshard as js
@@ -136,12 +161,25 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
       >>> loss, grads = jax.jit(js.value_and_grad(loss_fn, unshard_params=False))(params, jnp.ones((16, 4)))
       >>> float(loss), grads["stack"]["w"].shape
       (8.0, (4, 4, 4))
+      >>> def loss_1f1b(p, x):  # the same loss through the 1F1B schedule
+      ...     policy = js.PipelinePolicy(microbatches=4, schedule="1f1b")
+      ...     return js.pipeline(lambda h, layer: h @ layer["w"], x * js.unshard(p)["scale"], p["stack"],
+      ...                        policy=policy, loss=lambda h, _: h.mean())
+      >>> loss2, grads2 = jax.jit(js.value_and_grad(loss_1f1b, unshard_params=False))(params, jnp.ones((16, 4)))
+      >>> float(loss2), bool(jnp.allclose(grads2["stack"]["w"], grads["stack"]["w"]))
+      (8.0, True)
     """
     policy = PipelinePolicy() if policy is None else policy
     layers = _stack_layers(stack, policy.axis)
+    if policy.schedule == "1f1b" and loss is None:
+        raise ValueError("js.pipeline with PipelinePolicy(schedule='1f1b') runs each microbatch's backward inside "
+                         "the schedule, from its loss on the last stage: pass loss=(h, targets) -> scalar (the "
+                         "model after the stack and its loss) and the targets of x's rows.")
+    _check_targets(targets, x.shape[0])
     step = active_step()
     if step is None:  # the global view: the L layers, no padding slots
-        return jax.lax.scan(lambda h, layer: (body(h, layer), None), x, unshard_global(stack))[0]
+        h = jax.lax.scan(lambda h, layer: (body(h, layer), None), x, unshard_global(stack))[0]
+        return h if loss is None else loss(h, targets)
     step.unit(stack.meta)  # a unit of this step, or a clear error
     if policy.axis not in step.axes.data_parallel:
         raise ValueError(
@@ -159,6 +197,14 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, stack: F
             f"split into {m} microbatches; make the global batch a multiple of {math.lcm(m, stages) * others} "
             f"(lcm(M={m}, S={stages}) x the other data-parallel axes' size {others})."
         )
-    run_stage = _stage(body, stack, step, policy, layers, stage_size(layers, stages))
-    outputs = _gpipe(run_stage, rows.reshape((m, rows.shape[0] // m) + rows.shape[1:]), policy.axis, stages)
-    return jax.lax.psum_scatter(outputs.reshape(rows.shape), policy.axis, scatter_dimension=0, tiled=True)
+    weights, run_stage = _stage(body, stack, step, policy, layers, stage_size(layers, stages))
+
+    def microbatches(a):
+        return a.reshape((m, a.shape[0] // m) + a.shape[1:])
+
+    if policy.schedule == "1f1b":
+        ys = jax.tree.map(lambda y: microbatches(jax.lax.all_gather(y, policy.axis, axis=0, tiled=True)), targets)
+        return one_f_one_b(run_stage, loss, weights, microbatches(rows), ys, policy.axis, stages)
+    outputs = _gpipe(lambda h: run_stage(weights, h), microbatches(rows), policy.axis, stages)
+    h = jax.lax.psum_scatter(outputs.reshape(rows.shape), policy.axis, scatter_dimension=0, tiled=True)
+    return h if loss is None else loss(h, targets)
