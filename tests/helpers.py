@@ -160,13 +160,16 @@ def constant_divisors(stablehlo_text: str) -> collections.Counter:
     return found
 
 
-def docs_example_output(page: str, marker: str, capsys) -> list[str]:
+def docs_example_output(page: str, marker: str, capsys, *, after: str | None = None) -> list[str]:
     """Run the Python block after ``<!-- marker -->`` on ``page`` as users run it and return
-    the lines it printed (optax's Adam needs JAX's default dtype promotion)."""
+    the lines it printed (optax's Adam needs JAX's default dtype promotion); ``after``: the
+    marker of a block run first, in the same namespace (the block continues that one)."""
     import pathlib
 
     text = (pathlib.Path(__file__).parents[1] / page).read_text()
-    code = re.search(rf"<!-- {marker} -->\s*```python\n(.*?)```", text, re.S).group(1)
+    namespace = {"__name__": f"docs_{marker}"}
     with jax.numpy_dtype_promotion("standard"):
-        exec(compile(code, page, "exec"), {"__name__": f"docs_{marker}"})
+        for name in ([after] if after else []) + [marker]:
+            code = re.search(rf"<!-- {name} -->\s*```python\n(.*?)```", text, re.S).group(1)
+            exec(compile(code, page, "exec"), namespace)
     return capsys.readouterr().out.split("\n")

@@ -349,6 +349,12 @@ def test_the_docs_pipeline_example_runs(capsys):
     assert docs_example_output("docs/parallelism.md", "pipeline-example", capsys)[:2] == ["P('stage', 'fsdp')", "True"]
 
 
+def test_the_docs_1f1b_example_continues_the_gpipe_one(capsys):
+    """docs/parallelism.md's 1F1B block, run after the GPipe example: the same loss and gradients."""
+    lines = docs_example_output("docs/parallelism.md", "pipeline-1f1b-example", capsys, after="pipeline-example")
+    assert lines[:3] == ["P('stage', 'fsdp')", "True", "True True"]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bf16_mixed_precision_stays_within_its_tolerance(schedule):
     """bf16 gathers, compute and activations between stages, fp32 reductions and masters, on
