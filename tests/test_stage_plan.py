@@ -25,6 +25,14 @@ def test_the_estimate_follows_the_pipeline_formulas():
     assert every.traffic["stage ppermute"] == 2 * 5 * column / 4 * 8 * 2  # 2 t microbatches of bf16 activations
     assert every.memory["gathered"] == 1000 * (2 + 2 + 4) and once.memory["gathered"] == 3 * 1000 * (2 + 4)
     assert every.compute == pytest.approx(4 * 32 * 16 * (2000 * 5 / 4 * 6 + 200) / 8 / h100.bf16_flops)
+    assert every.memory["activations"] == 3 * column * 8 * 2 + column / 4 * 64  # GPipe: K inputs of all M microbatches
+    # 1F1B: min(2S - 1, M) = 3 of the 4 microbatches in flight; the head on both stages; the same bytes moved
+    f1b = estimate_stages(TOY, 2, 4, 1, 4, "per_microbatch", 32, h100, schedule="1f1b")
+    assert f1b.memory["activations"] == 3 * column * 3 / 4 * 8 * 2 + column / 4 * 64
+    assert f1b.compute == pytest.approx(4 * 32 * 16 * (2000 * 5 / 4 * 6 + 200 * 2) / 8 / h100.bf16_flops)
+    assert f1b.traffic == every.traffic and f1b.bubble == every.bubble and "1f1b M=4" in f1b.describe()
+    with pytest.raises(ValueError, match="schedule must be 'gpipe' or '1f1b', got 'zb'"):
+        estimate_stages(TOY, 2, 4, 1, 4, "once", 32, h100, schedule="zb")
     alone = estimate_stages(TOY, 1, 8, 1, 1, "per_microbatch", 32, h100)  # FSDP alone: every layer, no bubble
     assert alone.bubble == 0 and alone.traffic["fsdp all-gather"] == 2 * 5 * 1000 * 2 * 7 / 8
     assert alone.traffic["stage ppermute"] == alone.traffic["stage rows in and out"] == 0
