@@ -161,8 +161,8 @@ def estimate_stages(model: StackModel, stages: int, fsdp: int, tp: int, microbat
         v for k, v in traffic.items() if not k.startswith("fsdp")) / link
     step = compute + exposed
     tokens = global_batch * model.seq_len / (stages * fsdp * tp)
-    return StagePlan(stages, fsdp, tp, microbatches, gather, schedule if stages > 1 else "none", memory, traffic, compute, exposed, step,
-                     tokens / step, sum(memory.values()) <= hardware.hbm_bytes)
+    return StagePlan(stages, fsdp, tp, microbatches, gather, schedule if stages > 1 else "none", memory, traffic,
+                     compute, exposed, step, tokens / step, sum(memory.values()) <= hardware.hbm_bytes)
 
 
 def rank_stages(model: StackModel, devices: int, global_batch: int, hardware: HardwareProfile,
