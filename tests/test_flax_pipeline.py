@@ -266,7 +266,19 @@ def test_linen_stack_runs_as_pipeline_stages(stages, layers, microbatches, gathe
     np.testing.assert_allclose(evaluated, reference.apply({"params": ref_params}, _batch()["x"]), rtol=1e-5, atol=1e-6)
 
 
-def test_linen_pipeline_of_an_unwrapped_block_is_named():
+class LinenWrappedHead(nn.Module):
+    """A model whose head is wrapped as its own unit and called in the stack's 1F1B loss: refused."""
+
+    stack: Any
+    head: Any
+
+    @nn.compact
+    def __call__(self, x, y):
+        head = self.head(D_OUT, name="w_out")
+        return self.stack(name="blocks")(x, y, lambda h, y: jnp.mean((head(h) - y) ** 2))
+
+
+def test_linen_pipeline_misuse_is_named():
     mesh = _mesh()
     root = jlinen.fully_shard(LinenModel, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP))
     model = root(stack=jlinen.pipeline(LinenBlock, length=LAYERS))
@@ -276,6 +288,19 @@ def test_linen_pipeline_of_an_unwrapped_block_is_named():
     with pytest.raises(ValueError, match=r"The pipeline stack at `blocks` is not a unit of the step: .* its block "
                                          r"wrapped with jshard.flax.linen.fully_shard"):
         jax.jit(jlinen.value_and_grad(loss_fn))(sharded, _batch())
+    stage_fsdp = js.FullyShardPolicy(dp_mesh_dims=STAGE_FSDP)
+    block = jlinen.fully_shard(LinenBlock, mesh=mesh, policy=js.FullyShardPolicy(dp_mesh_dims=FSDP))
+    model = jlinen.fully_shard(LinenWrappedHead, mesh=mesh, policy=stage_fsdp)(
+        jlinen.pipeline(block, length=LAYERS, policy=js.PipelinePolicy(schedule="1f1b")),
+        jlinen.fully_shard(nn.Dense, mesh=mesh, policy=stage_fsdp))
+    x, y = jnp.ones((BATCH, D)), _batch()["y"]
+    sharded = jlinen.shard_params(model, model.init(jax.random.key(0), x, y)["params"], x, y)
+    with pytest.raises(ValueError, match=r"Linen module at `w_out` is wrapped with jshard.flax.linen.fully_shard and "
+                                         r"was called in the loss of a jlinen.pipeline stack under "
+                                         r"PipelinePolicy\(schedule='1f1b'\): its params \(`bias` of shape \(3,\), "
+                                         r"...\) are sharded over mesh axis \('stage', 'fsdp'\) of size 8, .* Make it "
+                                         r"a plain submodule of the wrapped root"):
+        jax.jit(jlinen.value_and_grad(lambda p, b: model.apply({"params": p}, b[0], b[1])))(sharded, (x, y))
 
 
 @pytest.mark.parametrize("marker,last", [("pipeline-nnx-example", "True"), ("pipeline-linen-example", "True (32, 1)")])

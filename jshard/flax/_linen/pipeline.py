@@ -18,8 +18,9 @@ plain submodule of the wrapped root (``nn.Dense(1, name="head")`` made in the ro
 ``__call__``) reads its params from the root's scope, which the root's call gathered before
 the stack ran, so the trace closes over gathered values and their gradients leave the
 schedule, reduce-scattered once by the root's gather. A head wrapped as its own unit would
-gather inside that trace (per microbatch, its gradient summed over every stage); keep it in
-the root.
+gather inside that trace (per microbatch, its gradient summed over every stage and kept on
+the last: measured, a head bias's gradient came out zero), so a wrapped module called while
+``loss`` is traced is refused, named (``StepTable.pipeline_loss``); keep the head in the root.
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ def pipeline(target: type[nn.Module], *, length: int, policy: PipelinePolicy | N
             with step.adapting(None):  # full parameters: the wrapped block gathers nothing
                 return layer.apply({"params": weights}, h, None)[0]
 
-        return core_pipeline(body, h, table.units[path], policy=policy, loss=loss, targets=targets)
+        def scheduled_loss(h: jax.Array, y: Any) -> jax.Array:  # traced inside the schedule: no unit gathers
+            table.pipeline_loss = True
+            try:
+                return loss(h, y)
+            finally:
+                table.pipeline_loss = False
+
+        return core_pipeline(body, h, table.units[path], policy=policy, targets=targets,
+                             loss=loss if loss is None or policy.schedule != "1f1b" else scheduled_loss)
 
     return type(f"Pipeline{target.__name__}", (scanned,), {"__call__": __call__, "__module__": target.__module__})
