@@ -303,7 +303,19 @@ def test_linen_pipeline_misuse_is_named():
         jax.jit(jlinen.value_and_grad(lambda p, b: model.apply({"params": p}, b[0], b[1])))(sharded, (x, y))
 
 
-@pytest.mark.parametrize("marker,last", [("pipeline-nnx-example", "True"), ("pipeline-linen-example", "True (32, 1)")])
+DOCS_BLOCKS = [("pipeline-nnx-example", "True"), ("pipeline-linen-example", "True (32, 1)")]
+
+
+@pytest.mark.parametrize("marker,last", DOCS_BLOCKS)
 def test_the_docs_flax_pipeline_examples_run(marker, last, capsys):
     printed = docs_example_output("docs/parallelism.md", marker, capsys)
     assert printed[:2] == ["P('stage', 'fsdp')", last]
+
+
+@pytest.mark.slow  # +16 s; the default run checks the route: test_*_stack_runs_as_pipeline_stages[...-1f1b]
+@pytest.mark.parametrize("one_f_one_b,after", zip(["pipeline-nnx-1f1b-example", "pipeline-linen-1f1b-example"],
+                                                  DOCS_BLOCKS, strict=True))
+def test_the_docs_flax_1f1b_examples_continue_the_gpipe_ones(one_f_one_b, after, capsys):
+    """Each 1F1B block, run after its GPipe block in the same namespace: the one-device loss and head gradients."""
+    printed = docs_example_output("docs/parallelism.md", one_f_one_b, capsys, after=after[0])
+    assert printed[:3] == ["P('stage', 'fsdp')", after[1], "True True"]
