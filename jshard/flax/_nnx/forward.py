@@ -122,6 +122,7 @@ def gather_module(module: Any, step: Any) -> list[tuple[Any, Any]]:
         p.set_value(x)
     return [(p, x) for (_, p), x in zip(own, shards, strict=True)]
 
+
 IN_PIPELINE_LOSS = (
     "{module} was called in the loss of jnnx.pipeline under PipelinePolicy(schedule='1f1b') without being "
     "gathered: its parameters (Param `{path}` of shape {shape}, ...) are sharded over mesh axis {axis!r} of size "

@@ -62,7 +62,7 @@ def _scan(body: Callable, x: jax.Array, module: Any) -> jax.Array:
 def _gathered_head(head: Any, step: Any) -> list[Any]:
     """The sharded units among ``head``'s modules that are not gathered now, gathered and held
     (their forwards gather no more); returns them, to restore after the schedule."""
-    modules = head if isinstance(head, (tuple, list)) else (head,)
+    modules = () if head is None else head if isinstance(head, (tuple, list)) else (head,)
     gathered = []
     for module in (m for m in modules if unit_state(m) is not None):  # a plain submodule reads its unit's
         held = step.held.get(module)
@@ -104,7 +104,7 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, module: 
       policy: a :class:`jshard.PipelinePolicy` (default ``PipelinePolicy()``).
       loss: ``(h, targets) -> scalar``, the model after the stack and its loss, a mean over the rows.
       targets: a pytree of arrays with ``x``'s rows on dim 0 (labels), passed to ``loss``.
-      head: the modules ``loss`` calls, one or a tuple.
+      head: the modules ``loss`` calls, one or a tuple (gathered before the schedule under 1F1B).
 
     Returns:
       ``h`` after the stack's ``L`` layers, shaped like ``x``; with ``loss``, the loss.
@@ -112,7 +112,8 @@ def pipeline(body: Callable[[jax.Array, Any], jax.Array], x: jax.Array, module: 
     Raises:
       RuntimeError: a sharded stack called outside the step.
       ValueError: the stack holds state other than Params, or is not laid out as stages
-        (``stages=`` of :func:`jshard.flax.nnx.fully_shard`).
+        (``stages=`` of :func:`jshard.flax.nnx.fully_shard`); under 1F1B, ``loss`` calls a
+        sharded module not listed in ``head``.
 
     Example:
       >>> import jax.numpy as jnp
