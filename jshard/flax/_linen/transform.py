@@ -33,11 +33,14 @@ from jshard.flax._paths import Path, entry_paths, scope_path
 @dataclasses.dataclass
 class StepTable:
     """The Linen adapter's part of the step state ([Note: step state]): the units of the step
-    by scope path, how deep each module's calls are nested, and which units were gathered."""
+    by scope path, how deep each module's calls are nested, which units were gathered, and
+    whether a 1F1B pipeline's ``loss`` is being traced (no unit may gather there, [Note: Linen
+    pipeline])."""
 
     units: dict[Path, FSDPUnit]
     depth: dict[Path, int] = dataclasses.field(default_factory=dict)
     gathered: set[Path] = dataclasses.field(default_factory=set)
+    pipeline_loss: bool = False
 
 
 @dataclasses.dataclass
@@ -117,8 +120,23 @@ def _map_in(path: Path, spec: tuple[Any, FullyShardPolicy], target: dict) -> dic
         return target
     if path not in table.units:
         raise ValueError(_not_a_unit(path))
+    if table.pipeline_loss:
+        raise ValueError(_in_pipeline_loss(path, table.units[path]))
     table.gathered.add(path)
     return {**target, "params": gather_params(table.units[path], target["params"], step, path)}
+
+
+def _in_pipeline_loss(path: Path, unit: FSDPUnit) -> str:
+    where, layout = next((w, lay) for (w, _), lay in zip(entry_paths(unit.tree), unit.meta.layouts, strict=True)
+                         if lay is not None)
+    return (
+        f"Linen module at `{scope_path(path)}` is wrapped with jshard.flax.linen.fully_shard and was called in the "
+        f"loss of a jlinen.pipeline stack under PipelinePolicy(schedule='1f1b'): its params (`{scope_path(where)}` "
+        f"of shape {layout.shape}, ...) are sharded over mesh axis {unit.meta.axes.shard_entry!r} of size "
+        f"{unit.meta.axes.shard_size}, and a gather there would run per microbatch inside the schedule, its gradient "
+        "summed over every stage. Make it a plain submodule of the wrapped root (not wrapped itself): the root's "
+        "call gathers it before the stack runs."
+    )
 
 
 def _not_a_unit(path: Path) -> str:

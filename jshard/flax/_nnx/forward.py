@@ -123,6 +123,24 @@ def gather_module(module: Any, step: Any) -> list[tuple[Any, Any]]:
     return [(p, x) for (_, p), x in zip(own, shards, strict=True)]
 
 
+IN_PIPELINE_LOSS = (
+    "{module} was called in the loss of jnnx.pipeline under PipelinePolicy(schedule='1f1b') without being "
+    "gathered: its parameters (Param `{path}` of shape {shape}, ...) are sharded over mesh axis {axis!r} of size "
+    "{n}, and a gather there would run per microbatch inside the schedule, its gradient summed over every stage. "
+    "Pass it in jnnx.pipeline(..., head=...) (one module or a tuple), which gathers it once before the schedule."
+)
+
+
+def _refuse_in_pipeline_loss(module: Any, step: Any) -> None:
+    if step.adapter.pipeline_loss:
+        state = unit_state(module)
+        path, layout = next((p, lay) for (p, sub), lay in zip(state.entries, state.meta.layouts, strict=True)
+                            if not sub)
+        raise ValueError(IN_PIPELINE_LOSS.format(
+            module=describe(module), path=attribute_path(path), shape=layout.shape, axis=state.meta.axes.shard_entry,
+            n=state.meta.axes.shard_size))
+
+
 def _is_flax_node(x: Any) -> bool:
     return isinstance(x, (nnx.Pytree, nnx.Variable))
 
@@ -164,6 +182,7 @@ def forward(module: Any, name: str, args: tuple, kwargs: dict) -> Any:
 def _gathered_call(module: Any, method: Any, args: tuple, kwargs: dict, step: Any, prefetch=None) -> Any:
     held = step.held.get(module)
     if held is None:
+        _refuse_in_pipeline_loss(module, step)
         held = step.held[module] = Held(ShardedState.FORWARD, gather_module(module, step))
     held.state = ShardedState.FORWARD
     try:

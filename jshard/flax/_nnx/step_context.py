@@ -22,9 +22,11 @@ NOT_IN_STEP = (
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NnxStep:
-    """The model merged in the step, where prefetch targets are looked up."""
+    """The model merged in the step, where prefetch targets are looked up; ``pipeline_loss``:
+    a 1F1B pipeline's ``loss`` is being traced, where no module may gather ([Note: NNX pipeline])."""
 
     root: Any
+    pipeline_loss: bool = False
 
     def module_at(self, path: Path, requester: Any) -> Any:
         """A prefetch target: the sharded module at ``path`` in ``requester``'s model."""
