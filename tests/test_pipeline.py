@@ -91,12 +91,14 @@ def _sharded(params: dict, mesh: Mesh, mp: js.MixedPrecisionPolicy | None = None
     return js.fully_shard({"w_in": params["w_in"], "w_out": params["w_out"], "stack": stack}, mesh, dense)
 
 
-def _pipelined_loss(p: dict, batch: dict, policy: js.PipelinePolicy) -> jax.Array:
-    """``_loss`` in the step: the stack pipelined, and under 1F1B the head and loss in the schedule."""
+def _pipelined_loss(p: dict, batch: dict, policy: js.PipelinePolicy, head_gathered_in_loss: bool = False) -> jax.Array:
+    """``_loss`` in the step: the stack pipelined, and under 1F1B the head and loss in the schedule
+    (``head_gathered_in_loss``: the loss gathers the head's unit itself, inside the schedule)."""
     full = js.unshard(p)
     h = jnp.tanh(batch["x"] @ full["w_in"])
     if policy.schedule == "1f1b":
-        head = lambda h, y: jnp.mean((h @ full["w_out"] - y) ** 2)  # noqa: E731
+        w_out = (lambda: js.unshard(p)["w_out"]) if head_gathered_in_loss else (lambda: full["w_out"])
+        head = lambda h, y: jnp.mean((h @ w_out() - y) ** 2)  # noqa: E731
         return js.pipeline(_layer, h, full["stack"], policy=policy, loss=head, targets=batch["y"])
     return jnp.mean((js.pipeline(_layer, h, full["stack"], policy=policy) @ full["w_out"] - batch["y"]) ** 2)
 
@@ -141,14 +143,17 @@ def test_pipeline_parity_with_unsharded_reference(stages, layers, microbatches, 
     assert sharded["stack"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage", "fsdp")
 
 
-@pytest.mark.parametrize("stages,layers,microbatches,gather", [(2, 5, 4, "per_microbatch"), (4, 7, 4, "once")])
-def test_1f1b_gradients_equal_the_unsharded_ones(stages, layers, microbatches, gather):
+@pytest.mark.parametrize("stages,layers,microbatches,gather,head_gathered_in_loss", [
+    (2, 5, 4, "per_microbatch", False), (4, 7, 4, "once", True)])
+def test_1f1b_gradients_equal_the_unsharded_ones(stages, layers, microbatches, gather, head_gathered_in_loss):
     """One step's loss and gradients (AdamW's parity above hides a constant factor on them) within
-    1e-5 of one device's: the schedule's per-microbatch backward, the head's gradients, the input's."""
+    1e-5 of one device's: the schedule's per-microbatch backward, the head's gradients, the input's;
+    also where the loss gathers the head itself (its gradient reduce-scattered inside the schedule)."""
     params, batch = _params(layers), _batch()
     ref_loss, ref = jax.value_and_grad(lambda p: _loss(p, batch, _scan_stack))(params)
     policy = js.PipelinePolicy(microbatches=microbatches, gather=gather, schedule="1f1b")
-    grad_fn = js.value_and_grad(lambda p, b: _pipelined_loss(p, b, policy), unshard_params=False)
+    grad_fn = js.value_and_grad(lambda p, b: _pipelined_loss(p, b, policy, head_gathered_in_loss),
+                                unshard_params=False)
     loss, grads = jax.jit(grad_fn)(_sharded(params, _mesh(stages)), batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), js.unshard(grads), ref)

@@ -33,12 +33,17 @@ shards gathered per layer inside the stage (their gradients leave each ``jax.vjp
 reduce-scattered and divided as every gather's do), or layers gathered once before the
 schedule (their full gradients accumulate, and the gather's own VJP reduce-scatters them
 once). Values the layer body or the loss close over (the head's gathered weights) become
-explicit inputs (``_hoisted``), so their gradients are accumulated and returned too. The
-loss's targets are not differentiated. Shards gathered per layer are ``depend``-ed on the
-layer's input (``pipeline._stage``): ``jax.vjp`` of the stage otherwise computed every layer's
-gather, which reads only weights, in a loop of its own ahead of the layers, holding the
-stage's ``K`` gathered layers and a copy (XLA:CPU, ``S = 2``, ``K = 4``, width 256, ``M = 2``:
-2.41 MiB of temporaries, 1.46 tied).
+explicit inputs (``_hoisted``), so their gradients are accumulated and returned too. Every
+stage runs the loss at each middle step (lock step), but only the last stage's is seeded with
+a cotangent; the others get zero: where the loss gathers a unit itself (``js.unshard`` inside
+it), the gather's VJP reduce-scatters the head's gradient over every stage inside the
+microbatch's backward, and seeding every stage summed the other stages' gradients in (the
+docs example's head gradient was off by 6.9 for entries of at most 1.5; a mask after the
+backward cannot undo a reduction inside it). The loss's targets are not differentiated.
+Shards gathered per layer are ``depend``-ed on the layer's input (``pipeline._stage``):
+``jax.vjp`` of the stage otherwise computed every layer's gather, which reads only weights, in
+a loop of its own ahead of the layers, holding the stage's ``K`` gathered layers and a copy
+(XLA:CPU, ``S = 2``, ``K = 4``, width 256, ``M = 2``: 2.41 MiB of temporaries, 1.46 tied).
 """
 
 from __future__ import annotations
@@ -140,9 +145,12 @@ def _schedule(stage: Callable, loss: Callable, axis: str, stages: int, weights: 
         run, ring = forward(t, received, ring)
         y = jax.tree.map(lambda v: v[t - last], ys)  # the last stage's microbatch, run forward just now
         value, pull = jax.vjp(lambda head, h: loss(head, h, y), head, run.out)
-        d_head, d_out = pull(jnp.asarray(1 / m, value.dtype))
+        # The cotangent is 1 / M on the last stage, 0 elsewhere, so other stages' loss contributes
+        # nothing to what the loss reduces inside it (a unit it gathers is reduce-scattered over
+        # every stage in its VJP) and its head gradients need no mask ([Note: 1F1B schedule]).
+        d_head, d_out = pull(jnp.where(s == last, 1 / m, 0).astype(value.dtype))
         cotangent, acc = backward(t, run, jnp.where(s == last, d_out, cotangent), ring, acc)
-        head_acc = _add_where(s == last, head_acc, (d_head, value.astype(jnp.float32) / m))
+        head_acc = jax.tree.map(jnp.add, head_acc, (d_head, jnp.where(s == last, value.astype(jnp.float32) / m, 0)))
         return (jax.lax.ppermute(run.out, axis, forward_shift), cotangent, ring, acc, head_acc), None
 
     def cool_down(carry, t):
