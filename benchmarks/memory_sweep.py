@@ -23,6 +23,10 @@ parameters (recipes cast the parameters inside the loss; jshard ``MixedPrecision
 float32)``). Models: tanh MLPs (``tanh(h @ w + b)``), GELU MLP blocks (``h + gelu(h @ w1) @ w2``,
 ``w1`` 3x wider) and the benchmarks' transformer (``jshard/demo/model.py``). Writes
 ``results/memory_sweep.json`` (``memory_sweep_<target>.json`` for another target).
+
+``--libtpu-flags async`` compiles under MaxText's async-collective flags
+(:data:`ASYNC_COLLECTIVE_FLAGS`, set as ``LIBTPU_INIT_ARGS`` before libtpu starts: it reads them
+once per process) and writes ``memory_sweep_<target>_async.json``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ from jshard.report import CompileTarget, Memory, matmul_flops  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("recipe", "constrained", "jshard")
+# MaxText's flags for asynchronous collectives on TPU (its docs' recommended LIBTPU_INIT_ARGS).
+ASYNC_COLLECTIVE_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
+                          "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+                          "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+LIBTPU_FLAGS = {"none": "", "async": ASYNC_COLLECTIVE_FLAGS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +236,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
     parser.add_argument("--only", default="", help="run the models whose name contains this text")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the stored rows of the models not run (with --only: a sweep in parts)")
+    parser.add_argument("--libtpu-flags", choices=sorted(LIBTPU_FLAGS), default="none",
+                        help="async: compile under MaxText's async-collective flags (LIBTPU_INIT_ARGS)")
     args = parser.parse_args(argv)
+    if args.libtpu_flags != "none":  # before the topology starts libtpu, which reads them once
+        flags = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {LIBTPU_FLAGS[args.libtpu_flags]}"
+        os.environ["LIBTPU_INIT_ARGS"] = flags.strip()
     target = CompileTarget.parse(args.target)
     mesh = target_mesh(target)
     rows = []
-    print(f"compiled by {target.describe()}")
+    print(f"compiled by {target.describe()}" + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}"
+                                                if args.libtpu_flags != "none" else ""))
     print("| model | recipe MiB | constrained MiB | jshard MiB | peak / best recipe | FLOPs / recipe |")
     print("|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
@@ -247,8 +264,18 @@ def main(argv: list[str] | None = None) -> None:
                 for r in rows)
     print(f"worst jshard / best recipe peak: {worst:.3f} over {len(rows)} models")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "memory_sweep.json" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}.json"
-    (args.out / name).write_text(json.dumps({"quick": args.quick, "target": args.target, "models": rows}, indent=1))
+    name = "memory_sweep" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}"
+    name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"
+    path = args.out / f"{name}.json"
+    if args.merge and path.exists():
+        run = {r["name"] for r in rows}
+        order = [m.name for m in models(args.quick)]
+        kept = [r for r in json.loads(path.read_text())["models"] if r["name"] not in run]
+        rows = sorted(kept + rows, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+    result = {"quick": args.quick, "target": args.target, "models": rows}
+    if args.libtpu_flags != "none":
+        result["libtpu_init_args"] = os.environ["LIBTPU_INIT_ARGS"]
+    path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
