@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jshard as js
+from benchmarks.memory_sweep import ASYNC_COLLECTIVE_FLAGS
 from jshard._sharding.mesh import slice_of
 from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._sharding.torus import gather_phases, scatter_phases
@@ -331,12 +332,6 @@ def test_a_step_on_a_4x4x4_v5p_slice_gathers_natively_at_the_ring_bytes():
     sent = p.report.collective_bytes
     assert ring <= sent["all-gather"] <= 2 * ring and ring <= sent["reduce-scatter"] + sent["all-reduce"]
     assert sent["all-reduce"] < 0.06 * ring
-
-
-# MaxText's flags for asynchronous collectives on TPU (its docs' recommended LIBTPU_INIT_ARGS).
-ASYNC_COLLECTIVE_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
-                          "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-                          "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
 
 
 def _gather_schedules(flags: str, *pers: str) -> dict[str, list[dict]]:
