@@ -3,6 +3,7 @@ each stage's layers FSDP-sharded over ``fsdp``, against the unsharded model ([No
 schedule], [Note: 1F1B schedule])."""
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,15 @@ def _pipelined_loss(p: dict, batch: dict, policy: js.PipelinePolicy, head_gather
         head = lambda h, y: jnp.mean((h @ w_out() - y) ** 2)  # noqa: E731
         return js.pipeline(_layer, h, full["stack"], policy=policy, loss=head, targets=batch["y"])
     return jnp.mean((js.pipeline(_layer, h, full["stack"], policy=policy) @ full["w_out"] - batch["y"]) ** 2)
+
+
+def _train(step, batch, sharded, state, steps: int) -> tuple[list[float], Any, Any]:
+    """``steps`` of ``step`` on ``batch``: the losses, the parameters and the optimizer state."""
+    losses = []
+    for _ in range(steps):
+        loss, sharded, state = step(sharded, state, batch)
+        losses.append(float(loss))
+    return losses, sharded, state
 
 
 def _train_step(layers: int, policy: js.PipelinePolicy, tx):
@@ -433,12 +443,7 @@ def test_checkpoint_restores_onto_another_stage_count(tmp_path, target):
     tx = shard_optimizer(_adamw())
     step = _train_step(layers, policy, tx)
 
-    def train(sharded, state, steps):
-        losses = []
-        for _ in range(steps):
-            loss, sharded, state = step(sharded, state, batch)
-            losses.append(float(loss))
-        return losses, sharded, state
+    train = functools.partial(_train, step, batch)
 
     sharded = _sharded(_params(layers), _mesh(2))
     first, sharded, state = train(sharded, tx.init(sharded), 3)
@@ -474,12 +479,7 @@ def test_factored_optimizer_state_restores_onto_another_stage_count(tmp_path):
     tx = shard_optimizer(adafactor)
     step = _train_step(layers, js.PipelinePolicy(microbatches=2), tx)
 
-    def train(sharded, state, steps):
-        losses = []
-        for _ in range(steps):
-            loss, sharded, state = step(sharded, state, batch)
-            losses.append(float(loss))
-        return losses, sharded, state
+    train = functools.partial(_train, step, batch)
 
     @jax.jit
     def one_device_step(p, s):

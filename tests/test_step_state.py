@@ -104,7 +104,7 @@ def test_nnx_modules_hold_their_gathers_in_the_step_state():
         return jnp.mean(y)
 
     call = Block.__call__
-    jnnx.value_and_grad(loss)(model, X)
+    nnx.jit(jnnx.value_and_grad(loss))(model, X)  # traced once: the states are seen at trace time
     unsharded, forward, prefetched = ShardedState.UNSHARDED, ShardedState.FORWARD, ShardedState.PREFETCHED
     assert seen == [unsharded, (0, unsharded, None), (1, forward, unsharded), None,
                     (0, forward, prefetched), (1, forward, None)]
