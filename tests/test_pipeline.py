@@ -360,12 +360,9 @@ def test_1f1b_on_the_tpu_compiler():
     assert sum(c.executions for c in matrices) == 2 * (m + stages - 1) * -(-layers // stages)
 
 
-def test_the_docs_pipeline_example_runs(capsys):
-    assert docs_example_output("docs/parallelism.md", "pipeline-example", capsys)[:2] == ["P('stage', 'fsdp')", "True"]
-
-
-def test_the_docs_1f1b_example_continues_the_gpipe_one(capsys):
-    """docs/parallelism.md's 1F1B block, run after the GPipe example: the same loss and gradients."""
+def test_the_docs_pipeline_examples_run(capsys):
+    """docs/parallelism.md's GPipe example (the stack's layout; the loss going down), then its 1F1B
+    block in the same namespace (the same loss and gradients as GPipe's)."""
     lines = docs_example_output("docs/parallelism.md", "pipeline-1f1b-example", capsys, after="pipeline-example")
     assert lines[:3] == ["P('stage', 'fsdp')", "True", "True True"]
 
