@@ -18,9 +18,12 @@ plain submodule of the wrapped root (``nn.Dense(1, name="head")`` made in the ro
 ``__call__``) reads its params from the root's scope, which the root's call gathered before
 the stack ran, so the trace closes over gathered values and their gradients leave the
 schedule, reduce-scattered once by the root's gather. A head wrapped as its own unit would
-gather inside that trace (per microbatch, its gradient summed over every stage and kept on
-the last: measured, a head bias's gradient came out zero), so a wrapped module called while
-``loss`` is traced is refused, named (``StepTable.pipeline_loss``); keep the head in the root.
+gather inside that trace, per microbatch (``M`` gathers and reduce-scatters where the root's
+call does one). Before the core seeded only the last stage's loss (95667b0) its gradient was
+also wrong (summed over every stage, then masked: a head bias's gradient came out zero); with
+the refusal lifted it is now right (w_out's gradients within 3e-8 of the unsharded model), but
+the gathers stay per microbatch, so a wrapped module called while ``loss`` is traced is
+refused, named (``StepTable.pipeline_loss``); keep the head in the root.
 """
 
 from __future__ import annotations

@@ -133,8 +133,9 @@ def _in_pipeline_loss(path: Path, unit: FSDPUnit) -> str:
         f"Linen module at `{scope_path(path)}` is wrapped with jshard.flax.linen.fully_shard and was called in the "
         f"loss of a jlinen.pipeline stack under PipelinePolicy(schedule='1f1b'): its params (`{scope_path(where)}` "
         f"of shape {layout.shape}, ...) are sharded over mesh axis {unit.meta.axes.shard_entry!r} of size "
-        f"{unit.meta.axes.shard_size}, and a gather there would run per microbatch inside the schedule, its gradient "
-        "summed over every stage. Make it a plain submodule of the wrapped root (not wrapped itself): the root's "
+        f"{unit.meta.axes.shard_size}, and a gather there would run per microbatch inside the schedule (M gathers and "
+        "reduce-scatters of its params, where the root's call gathers them once). Make it a plain submodule of "
+        "the wrapped root (not wrapped itself): the root's "
         "call gathers it before the stack runs."
     )
 

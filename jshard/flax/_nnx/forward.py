@@ -126,7 +126,8 @@ def gather_module(module: Any, step: Any) -> list[tuple[Any, Any]]:
 IN_PIPELINE_LOSS = (
     "{module} was called in the loss of jnnx.pipeline under PipelinePolicy(schedule='1f1b') without being "
     "gathered: its parameters (Param `{path}` of shape {shape}, ...) are sharded over mesh axis {axis!r} of size "
-    "{n}, and a gather there would run per microbatch inside the schedule, its gradient summed over every stage. "
+    "{n}, and its forward would gather them per microbatch inside the schedule's own trace, where Flax refuses to "
+    "set a Param made outside it (TraceContextError). "
     "Pass it in jnnx.pipeline(..., head=...) (one module or a tuple), which gathers it once before the schedule."
 )
 
