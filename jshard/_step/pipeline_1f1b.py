@@ -60,9 +60,10 @@ from jax.extend import core as jcore
 from jshard._step.remat import SAVED
 
 
-def _hoisted(fn: Callable, *examples: Any) -> tuple[Callable, list[jax.Array], list[jax.Array]]:
+def _hoisted(fn: Callable, *examples: Any) -> tuple[Callable, list[jax.Array], list[jax.Array], Any]:
     """``fn`` with the traced values it closes over as explicit inputs: ``(run(floats, others, *args),
-    floats, others)``, the floating ones (differentiated) apart from the rest (indices, masks).
+    floats, others, fn's output shapes)``, the floating ones (differentiated) apart from the rest
+    (indices, masks).
 
     A ``custom_vjp`` gives no gradient to what its function closes over, and a traced value
     it closes over escapes the trace that re-evaluates the step's loss; hoisted, neither.
@@ -78,7 +79,7 @@ def _hoisted(fn: Callable, *examples: Any) -> tuple[Callable, list[jax.Array], l
         return jax.tree.unflatten(jax.tree.structure(shape), out)
 
     pick = lambda kind: [c for c, k in zip(closed.consts, kinds, strict=True) if k is kind]  # noqa: E731
-    return run, pick(True), pick(False)
+    return run, pick(True), pick(False), shape
 
 
 class _Linearized:
@@ -177,10 +178,10 @@ def one_f_one_b(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callab
     ``stage_fn(entries, h)``: this stage's layers on one microbatch; every stage returns the
     same loss, and the gradients reach ``entries``, ``xs`` and what the functions close over.
     """
-    stage, stage_floats, stage_others = _hoisted(stage_fn, entries, xs[0])
+    stage, stage_floats, stage_others, _ = _hoisted(stage_fn, entries, xs[0])
     y0 = jax.tree.map(lambda v: v[0], ys)
-    loss, head, head_others = _hoisted(loss_fn, xs[0], y0)
-    dtype = jax.eval_shape(loss_fn, xs[0], y0).dtype
+    loss, head, head_others, loss_shape = _hoisted(loss_fn, xs[0], y0)  # traced once: its dtype comes with it
+    dtype = loss_shape.dtype
     fixed = (stage_others, head_others, jax.lax.stop_gradient(ys))
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), fixed)
 
