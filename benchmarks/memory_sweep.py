@@ -143,7 +143,8 @@ def _compiled(step: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, floa
     return {"peak": Memory.from_compiled(compiled).peak, "flops": matmul_flops(compiled.as_text())}
 
 
-def _recipe(m: Model, mesh: Mesh, constrained: bool) -> dict[str, float]:
+def recipe_step(m: Model, mesh: Mesh, constrained: bool) -> tuple[Any, tuple[Any, ...]]:
+    """A recipe's step for ``m`` (``constrained``: with the batch-sharding constraints) and its abstract arguments."""
     params = _params(m)
 
     def spec(path, x):
@@ -166,7 +167,7 @@ def _recipe(m: Model, mesh: Mesh, constrained: bool) -> dict[str, float]:
 
     step = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("fsdp"))),
                    out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings), donate_argnums=0)
-    return _compiled(step, (params, _batch(m)))
+    return step, (params, _batch(m))
 
 
 def jshard_step(m: Model, mesh: Mesh, **policy: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -194,18 +195,18 @@ def jshard_step(m: Model, mesh: Mesh, **policy: Any) -> tuple[Any, tuple[Any, ..
     return step, (sharded, _batch(m))
 
 
-def _jshard(m: Model, mesh: Mesh) -> dict[str, float]:
-    return _compiled(*jshard_step(m, mesh))
-
-
-VARIANTS = ("recipe", "constrained", "jshard")
+def variant_step(m: Model, mesh: Mesh, variant: str) -> tuple[Any, tuple[Any, ...]]:
+    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments."""
+    if variant == "jshard":
+        return jshard_step(m, mesh)
+    if variant in ("recipe", "constrained"):
+        return recipe_step(m, mesh, constrained=variant == "constrained")
+    raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
 
 
 def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS) -> dict[str, dict[str, float]]:
     """Peak bytes and matmul FLOPs per device of each variant's step (``variants``: which to compile)."""
-    compile_variant = {"recipe": lambda: _recipe(m, mesh, False), "constrained": lambda: _recipe(m, mesh, True),
-                       "jshard": lambda: _jshard(m, mesh)}
-    results = {v: compile_variant[v]() for v in variants}
+    results = {v: _compiled(*variant_step(m, mesh, v)) for v in variants}
     return {"peak_bytes": {v: r["peak"] for v, r in results.items()},
             "flops": {v: r["flops"] for v, r in results.items()}}
 

@@ -65,3 +65,38 @@ def test_accelerator_benchmark_dry_run_on_cpu(capsys):
     assert result["planned_peak_bytes"] > 0 and result["mfu"] is None  # no profile for a CPU
     assert "exposed comm." in out and "--xla_gpu_enable_latency_hiding_scheduler=true" in out
     assert accelerator.choose_size(jax.devices(), 1, False) == "tiny"  # CPUs report no memory limit
+
+
+def test_heap_at_peak_examples_hold():
+    import doctest
+
+    from benchmarks import heap_at_peak
+
+    assert doctest.testmod(heap_at_peak).failed == 0
+
+
+def test_heap_at_peak_counts_a_shared_buffer_once():
+    """An in-place update's values share their buffer: live together, they occupy it once."""
+    from benchmarks.heap_at_peak import HeapValue, fullest
+
+    values = [HeapValue("dot{}", 64, 0, "f32[16]"), HeapValue("all-reduce{}", 64, 0, "f32[16]"),
+              HeapValue("slice{}", 16, 64, "f32[4]")]
+    heap = fullest(values, {"dot{}": (0, 2), "all-reduce{}": (2, 3), "slice{}": (3, 4)})
+    assert (heap.allocation, heap.occupied, heap.time) == (80, 80, 3)
+    assert [v.name for v in heap.live] == ["all-reduce{}", "slice{}"]  # the buffer's value defined first
+
+
+def test_heap_at_peak_reads_a_tpu_compiled_step(tmp_path):
+    """XLA:TPU's own dump of a sweep model's step: its temporaries at their fullest hold a
+    gathered layer in bf16, made by jshard's all_gather (v5p 2x2x2, tanh 4x512, stacked)."""
+    from benchmarks import heap_at_peak, memory_sweep
+    from jshard.report import CompileTarget
+
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    model = memory_sweep.Model("tanh", True, 4, 512, 64, remat=False, bf16=True)
+    compiled = heap_at_peak.compile_with_dump(*memory_sweep.variant_step(model, mesh, "jshard"), tmp_path)
+    heap, ops = heap_at_peak.read_dump(tmp_path)
+    assert 0 < heap.occupied <= heap.allocation <= compiled.memory_analysis().temp_size_in_bytes
+    gathered = [v.shape for v in heap.live if ops.get(v.instruction, "").endswith("all_gather")]
+    assert "bf16[512,512]" in gathered, [(v.shape, ops.get(v.instruction)) for v in heap.live]
+    assert "jshard:" in heap_at_peak.describe("jshard", 1 << 20, heap, ops, top=3)
