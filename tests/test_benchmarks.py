@@ -65,3 +65,19 @@ def test_accelerator_benchmark_dry_run_on_cpu(capsys):
     assert result["planned_peak_bytes"] > 0 and result["mfu"] is None  # no profile for a CPU
     assert "exposed comm." in out and "--xla_gpu_enable_latency_hiding_scheduler=true" in out
     assert accelerator.choose_size(jax.devices(), 1, False) == "tiny"  # CPUs report no memory limit
+
+
+def test_quick_gather_options(tmp_path):
+    """``python -m benchmarks.gather_options --quick``: the three gather options of one small
+    stacked model compiled on ``cpu:8``, with the same matmul FLOPs; float8 gathers ``uint8``,
+    one collective per unit halves the all-gathers."""
+    from benchmarks import gather_options
+
+    result = gather_options.main(["--quick", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "gather_options_cpu_8.json").read_text()) == json.loads(json.dumps(result))
+    (model,) = result["models"]
+    options = model["options"]
+    assert set(options) == {"leaf", "unit", "float8"}
+    assert len({r["flops"] for r in options.values()}) == 1 and options["leaf"]["flops"] > 0
+    assert options["float8"]["gather_dtypes"] == ["uint8"]
+    assert 2 * options["unit"]["ops"]["all-gather"] == options["leaf"]["ops"]["all-gather"]
