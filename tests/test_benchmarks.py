@@ -100,3 +100,19 @@ def test_heap_at_peak_reads_a_tpu_compiled_step(tmp_path):
     gathered = [v.shape for v in heap.live if ops.get(v.instruction, "").endswith("all_gather")]
     assert "bf16[512,512]" in gathered, [(v.shape, ops.get(v.instruction)) for v in heap.live]
     assert "jshard:" in heap_at_peak.describe("jshard", 1 << 20, heap, ops, top=3)
+
+
+def test_quick_gather_options(tmp_path):
+    """``python -m benchmarks.gather_options --quick``: the three gather options of one small
+    stacked model compiled on ``cpu:8``, with the same matmul FLOPs; float8 gathers ``uint8``,
+    one collective per unit halves the all-gathers."""
+    from benchmarks import gather_options
+
+    result = gather_options.main(["--quick", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "gather_options_cpu_8.json").read_text()) == json.loads(json.dumps(result))
+    (model,) = result["models"]
+    options = model["options"]
+    assert set(options) == {"leaf", "unit", "float8"}
+    assert len({r["flops"] for r in options.values()}) == 1 and options["leaf"]["flops"] > 0
+    assert options["float8"]["gather_dtypes"] == ["uint8"]
+    assert 2 * options["unit"]["ops"]["all-gather"] == options["leaf"]["ops"]["all-gather"]

@@ -364,3 +364,26 @@ def _assert_overlapped(schedule: list[dict], gathers: int) -> None:
     overlapped = [g["matmuls_overlapped"] for g in schedule if g["asynchronous"]]
     assert len(schedule) == gathers and len(overlapped) > gathers / 2
     assert min(overlapped) >= 1
+
+
+def test_float8_gathers_compile_to_uint8_all_gathers_of_half_the_bf16_bytes_on_v5p():
+    """docs/benchmarks.md "Gather options on XLA:TPU": ``js.float8_all_gather`` stays one
+    ``uint8`` all-gather per leaf on XLA:TPU, of half a bf16 gather's bytes plus one float32
+    scale per row of the shard (two unrolled 256 -> 768 GELU units: 197632 and 199680 bytes
+    per gathered leaf against 393216)."""
+    from benchmarks import memory_sweep
+
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    model = memory_sweep.Model("gelu", False, 2, 256, 64, remat=False, bf16=True)
+
+    def gathers(**policy):
+        step, args = memory_sweep.jshard_step(model, mesh, **policy)
+        with jax.numpy_dtype_promotion("standard"):
+            text = step.lower(*args).compile().as_text()
+        return [c for c in step_collectives(text) if c.kind == "all-gather"]
+
+    bf16, fp8 = gathers(), gathers(custom_all_gather=js.float8_all_gather)
+    assert {c.compiled_dtype for c in bf16} == {"bfloat16"} and {c.compiled_dtype for c in fp8} == {"uint8"}
+    assert {c.bytes for c in bf16} == {256 * 768 * 2}
+    # One byte per element, then four per row of each shard (w1's shards have 32 rows, w2's 96).
+    assert {c.bytes for c in fp8} == {256 * 768 + 8 * 32 * 4, 768 * 256 + 8 * 96 * 4}
