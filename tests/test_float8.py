@@ -51,10 +51,11 @@ def test_one_collective_per_leaf_and_half_the_bytes_of_bf16():
         bf16 = step(js.FullyShardPolicy(mp_policy=mp))
     gathers = [c for c in hlo_collectives(fp8.compile().as_text()) if c.kind == "all-gather"]
     assert len(gathers) == 1 and gathers[0].dtype == "uint8"  # values and scales together
-    assert gathers[0].bytes == 64 * 256 + 64 * 4  # one byte per element, one f32 scale per row
+    # One byte per element and four per row scale, each shard's (8 rows of 256) padded to whole rows of 128 bytes.
+    assert gathers[0].bytes == 8 * 128 * -(-(8 * 256 + 8 * 4) // 128) == 17408
     assert [k for k in lowered_collectives(fp8.as_text()) if k[0] == "all-gather"] == [("all-gather", "uint8")]
     assert ("all-gather", "bfloat16") in lowered_collectives(bf16.as_text())
-    assert gathers[0].bytes / (64 * 256 * 2) == pytest.approx(0.5078, abs=1e-4)  # of bf16's wire bytes
+    assert gathers[0].bytes / (64 * 256 * 2) == pytest.approx(0.5312, abs=1e-4)  # of bf16's wire bytes
 
 
 def test_training_stays_within_its_tolerance_of_bf16():
@@ -71,3 +72,25 @@ def test_training_stays_within_its_tolerance_of_bf16():
     np.testing.assert_allclose(fp8, reference, rtol=1e-2)
     np.testing.assert_allclose(fp8, bf16, rtol=1e-2)
     assert fp8 != bf16  # the hook ran
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_float8_units_are_gathered_again_in_backward(stacked):
+    """A float8 unit is freed after forward and re-gathered, as a bf16 one: as many all-gathers
+    and no more temporaries (the sweep's 4 x 256 GELU blocks, 8 CPU devices). The remat policy
+    used to save what float8_all_gather computes after its collective (the rescaled leaf), so
+    backward read that instead: on v5p 2 gathers of 4 in the stacked loop, 29.26 MiB against 10.67."""
+    from benchmarks import memory_sweep
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    model = memory_sweep.Model("gelu", stacked, 4, 256, 64, remat=False, bf16=True)
+
+    def compiled(**policy):
+        with jax.numpy_dtype_promotion("standard"):
+            step, args = memory_sweep.jshard_step(model, mesh, **policy)
+            return step.lower(*args).compile()
+
+    bf16, fp8 = compiled(), compiled(custom_all_gather=js.float8_all_gather)
+    counts = [sum(c.kind == "all-gather" for c in hlo_collectives(x.as_text())) for x in (bf16, fp8)]
+    assert counts[0] == counts[1] == (4 if stacked else 13)
+    assert fp8.memory_analysis().temp_size_in_bytes <= bf16.memory_analysis().temp_size_in_bytes

@@ -154,8 +154,11 @@ def float8_all_gather(x: jax.Array, axes: Axes, dim: int, scaling: str = "row") 
     (``scaling="tensor"``) or each row's (``"row"``: every index of the shard's dim 0) maps
     to 448, rounded to e4m3 (3 mantissa bits: an element's error is at most ``2**-4`` of it,
     or ``2**-10`` of its scale ``amax / 448`` where it is subnormal), and sent as one
-    ``uint8`` buffer holding the float8 bytes followed by the scales' bytes. Bytes on the
-    wire: one per element plus four per scale, half of bfloat16's when rows are long.
+    ``uint8`` buffer holding the float8 bytes followed by the scales' bytes, padded to rows of
+    128 bytes (a flat ``uint8`` buffer gathered whole is laid out by XLA:TPU with a unit
+    dimension padded fourfold). Bytes on the wire: one per element plus four per scale,
+    half of bfloat16's when rows are long. The gathered values are rescaled in the shard's
+    dtype, so no float32 copy of the gathered leaf is made for a bfloat16 one.
 
     Example:
       >>> import jax, jax.numpy as jnp, jshard as js
@@ -174,10 +177,13 @@ def float8_all_gather(x: jax.Array, axes: Axes, dim: int, scaling: str = "row") 
     q = (rows / scale).astype(jnp.float8_e4m3fn)
     packed = jnp.concatenate([jax.lax.bitcast_convert_type(q, jnp.uint8).ravel(),
                               jax.lax.bitcast_convert_type(scale, jnp.uint8).ravel()])
-    gathered = jax.lax.all_gather(packed, axes, axis=0, tiled=False)  # (N, elements + 4 * scales): one collective
+    width = 128  # rows of 128 bytes: the uint8 buffer tiles on TPU without padding a unit dimension
+    packed = jnp.pad(packed, (0, -packed.size % width)).reshape(-1, width)
+    gathered = jax.lax.all_gather(packed, axes, axis=0, tiled=True).reshape(-1, packed.size)  # one collective
     n = q.size
     data = jax.lax.bitcast_convert_type(gathered[:, :n], jnp.float8_e4m3fn).reshape((-1,) + rows.shape)
-    scales = jax.lax.bitcast_convert_type(gathered[:, n:].reshape((-1,) + scale.shape + (4,)), jnp.float32)
-    shards = (data.astype(jnp.float32) * scales).reshape((-1,) + x.shape).astype(x.dtype)
+    scales = jax.lax.bitcast_convert_type(gathered[:, n : n + 4 * scale.size].reshape((-1,) + scale.shape + (4,)),
+                                          jnp.float32)
+    shards = (data.astype(x.dtype) * scales.astype(x.dtype)).reshape((-1,) + x.shape)
     full = jnp.moveaxis(shards, 0, dim)
     return full.reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1 :])

@@ -25,7 +25,7 @@ from jshard._sharding.step_state import StepState
 from jshard._step import collectives as C
 from jshard._step.model_manual import interleave_model, model_manual, model_piece
 from jshard._step.offload import to_device, to_host
-from jshard._step.remat import FREE, GATHER_START, SAVED, depend, unpad_gathered
+from jshard._step.remat import FREE, GATHER_START, SAVED, custom_gather, depend, unpad_gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ def _all_gather(comm: LeafComm, x: jax.Array) -> jax.Array:
     if comm.policy.custom_all_gather is None:
         full = C.all_gather(x, axes.shard, dim, phases=axes.gather_phases)
     else:
-        full = comm.policy.custom_all_gather(x, axes.shard, dim)
+        full = custom_gather(comm.policy.custom_all_gather, x, axes.shard, dim)
     return _unpad(comm, interleave_model(full, comm.layout, axes))
 
 
