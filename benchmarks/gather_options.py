@@ -35,7 +35,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import time
 from typing import Any
 
@@ -46,7 +45,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jshard as js  # noqa: E402
-from jshard._report.hlo import computation_lines  # noqa: E402
 from jshard._report.schedule import gather_schedule  # noqa: E402
 from jshard._report.step_collectives import wire_bytes  # noqa: E402
 from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives  # noqa: E402
@@ -57,9 +55,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "float8": {"custom_all_gather": js.float8_all_gather},
 }
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .+? (all-gather|reduce-scatter|all-reduce|all-to-all|"
-                         r"collective-permute)(?:-start)?\(")
-_CHAIN = re.compile(r'chain_id="(\d+)"')
 
 
 def models(quick: bool) -> list[Model]:
@@ -80,31 +75,6 @@ def compiled_bytes(c: Any) -> float:
     return wire_bytes(c.kind, result, c.group_size) * c.executions
 
 
-def distinct_collectives(hlo: str) -> list[Any]:
-    """``step_collectives(hlo)`` of ``KINDS``, each asynchronous collective once.
-
-    Under XLA:TPU's async-collective fusion one all-gather appears in every fusion that runs a
-    step of it (its start, the matmul fusions that carry it, its done), each copy tagged with
-    the same ``chain_id``; ``step_collectives`` lists every copy. Here a chain counts once.
-    """
-    chains = []
-    for _, line in computation_lines(hlo):
-        found = _COLLECTIVE.match(line)
-        if found and found.group(1) + "-done" not in line:
-            chain = _CHAIN.search(line)
-            chains.append((found.group(1), chain.group(1) if chain else None))
-    collectives = step_collectives(hlo)
-    assert [c.kind for c in collectives] == [kind for kind, _ in chains], "collectives read differently"
-    seen, out = set(), []
-    for c, (_, chain) in zip(collectives, chains, strict=True):
-        if chain is not None and chain in seen:
-            continue
-        seen.add(chain)
-        if c.kind in KINDS:
-            out.append(c)
-    return out
-
-
 def measure(m: Model, mesh: jax.sharding.Mesh, option: str) -> dict[str, Any]:
     """One compile of jshard's step for ``m`` under gather option ``option``."""
     start = time.perf_counter()
@@ -113,7 +83,7 @@ def measure(m: Model, mesh: jax.sharding.Mesh, option: str) -> dict[str, Any]:
         compiled = step.lower(*args).compile()
     seconds = time.perf_counter() - start
     hlo = compiled.as_text()
-    collectives = distinct_collectives(hlo)
+    collectives = [c for c in step_collectives(hlo) if c.kind in KINDS]
     schedule = gather_schedule(hlo)
     return {
         "peak_bytes": Memory.from_compiled(compiled).peak,

@@ -181,3 +181,27 @@ def test_a_reduce_scatter_padded_to_the_compilers_size_keeps_each_devices_rows(p
     assert plain.shape == padded.shape == (64, 5)
     assert jnp.allclose(plain, grads.reshape(8, 64, 5).sum(0), atol=1e-5)
     assert jnp.array_equal(plain, padded)
+
+
+def test_an_asynchronous_collective_copied_into_fusions_is_read_once():
+    """XLA:TPU's async-collective fusion copies one all-gather into each fusion that runs a step
+    of it, with one ``chain_id``: one collective (read from a v5p program's shape: a start
+    fusion, a matmul fusion carrying a step, and a synchronous gather beside them)."""
+    hlo = """
+%fused_start (p: bf16[192,1536]) -> bf16[1536,1536] {
+  %p = bf16[192,1536]{1,0} parameter(0)
+  ROOT %all-gather.9 = bf16[1536,1536]{1,0} all-gather(%p), dimensions={0}, frontend_attributes={chain_id="0"}
+}
+%fused_step (q: bf16[192,1536]) -> bf16[1536,1536] {
+  %q = bf16[192,1536]{1,0} parameter(0)
+  ROOT %all-gather.11 = bf16[1536,1536]{1,0} all-gather(%q), dimensions={0}, frontend_attributes={chain_id="0"}
+}
+ENTRY %main (x: bf16[192,1536]) -> bf16[1536,1536] {
+  %x = bf16[192,1536]{1,0} parameter(0)
+  %a = bf16[1536,1536]{1,0} fusion(%x), kind=kCustom, calls=%fused_start
+  %b = bf16[1536,1536]{1,0} fusion(%x), kind=kOutput, calls=%fused_step
+  ROOT %all-gather.14 = bf16[1536,1536]{1,0} all-gather(%x), dimensions={0}
+}
+"""
+    gathers = hlo_collectives(hlo)
+    assert [(c.kind, c.shapes) for c in gathers] == [("all-gather", ((1536, 1536),))] * 2
