@@ -39,7 +39,8 @@ import time
 from typing import Any
 
 # First: memory_sweep gives jax 8 CPU devices before jax is imported.
-from benchmarks.memory_sweep import LIBTPU_FLAGS, RESULTS, Model, jshard_step, target_mesh  # isort: skip
+from benchmarks.memory_sweep import (RESULTS, Model, add_compile_arguments, compile_target,  # isort: skip
+                                     jshard_step, target_mesh)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -47,7 +48,7 @@ import numpy as np  # noqa: E402
 import jshard as js  # noqa: E402
 from jshard._report.schedule import gather_schedule  # noqa: E402
 from jshard._report.step_collectives import wire_bytes  # noqa: E402
-from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives  # noqa: E402
+from jshard.report import Memory, matmul_flops, step_collectives  # noqa: E402
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "leaf": {},
@@ -102,19 +103,13 @@ def measure(m: Model, mesh: jax.sharding.Mesh, option: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small stacked model (a smoke test)")
-    parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
     parser.add_argument("--only", default="", help="run the models whose name contains this text")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for the JSON")
-    parser.add_argument("--libtpu-flags", choices=sorted(LIBTPU_FLAGS), default="none",
-                        help="async: compile under MaxText's async-collective flags (LIBTPU_INIT_ARGS)")
+    add_compile_arguments(parser)
     args = parser.parse_args(argv)
-    if args.libtpu_flags != "none":  # before the topology starts libtpu, which reads them once
-        flags = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {LIBTPU_FLAGS[args.libtpu_flags]}"
-        os.environ["LIBTPU_INIT_ARGS"] = flags.strip()
-    target = CompileTarget.parse(args.target)
+    target, said = compile_target(args)
     mesh = target_mesh(target)
-    print(f"compiled by {target.describe()}" + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}"
-                                                if args.libtpu_flags != "none" else ""))
+    print(said)
     print("| model | option | peak MiB | GFLOP | AG / RS / AR ops | AG dtype | AG / RS+AR MiB sent | "
           "AG async (overlapping matmuls) of | compile s |")
     print("|---|---|---|---|---|---|---|---|---|")

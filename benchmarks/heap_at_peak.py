@@ -154,27 +154,21 @@ def compile_with_dump(step: Any, args: tuple[Any, ...], directory: pathlib.Path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    import os
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="tpu:v5p:2x2x2")
     parser.add_argument("--model", required=True, help="a model of the sweep, by its name")
     parser.add_argument("--variants", default="recipe,constrained,jshard")
-    parser.add_argument("--libtpu-flags", default="none", help="async: MaxText's async-collective flags")
     parser.add_argument("--top", type=int, default=8)
+    from benchmarks import memory_sweep as ms  # starts JAX (8 CPU devices where no accelerator is given)
+
+    ms.add_compile_arguments(parser)
     args = parser.parse_args(argv)
-    from benchmarks import memory_sweep as ms  # after the argument check: it starts JAX
-
-    if args.libtpu_flags != "none":  # before the topology starts libtpu, which reads them once
-        flags = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {ms.LIBTPU_FLAGS[args.libtpu_flags]}"
-        os.environ["LIBTPU_INIT_ARGS"] = flags.strip()
-    from jshard.report import CompileTarget
-
     model = next((m for m in ms.models(False) if m.name == args.model), None)
     if model is None:
         raise SystemExit(f"No sweep model is named {args.model!r}; "
                          "names look like 'tanh unrolled 4x512 b64 kept fp32' (python -m benchmarks.memory_sweep).")
-    mesh = ms.target_mesh(CompileTarget.parse(args.target))
+    target, said = ms.compile_target(args)
+    print(said)
+    mesh = ms.target_mesh(target)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
             directory = pathlib.Path(tmp) / variant

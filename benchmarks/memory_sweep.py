@@ -231,25 +231,38 @@ def target_mesh(target: CompileTarget) -> Mesh:
     return jax.make_mesh((len(devices),), ("fsdp",), devices=devices, axis_types=(AxisType.Auto,))
 
 
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--target`` and ``--libtpu-flags``, as the sweep's benchmarks take them."""
+    parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
+    parser.add_argument("--libtpu-flags", choices=sorted(LIBTPU_FLAGS), default="none",
+                        help="async: compile under MaxText's async-collective flags (LIBTPU_INIT_ARGS)")
+
+
+def compile_target(args: argparse.Namespace) -> tuple[CompileTarget, str]:
+    """The parsed ``--target``, with ``--libtpu-flags`` set as ``LIBTPU_INIT_ARGS`` first (before the
+    topology starts libtpu, which reads them once), and the line saying what compiles."""
+    if args.libtpu_flags != "none":
+        flags = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {LIBTPU_FLAGS[args.libtpu_flags]}"
+        os.environ["LIBTPU_INIT_ARGS"] = flags.strip()
+    target = CompileTarget.parse(args.target)
+    said = f"compiled by {target.describe()}" + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}"
+                                                 if args.libtpu_flags != "none" else "")
+    return target, said
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small models (a smoke test)")
-    parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
     parser.add_argument("--only", default="", help="run the models whose name contains this text")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
     parser.add_argument("--merge", action="store_true",
                         help="keep the stored rows of the models not run (with --only: a sweep in parts)")
-    parser.add_argument("--libtpu-flags", choices=sorted(LIBTPU_FLAGS), default="none",
-                        help="async: compile under MaxText's async-collective flags (LIBTPU_INIT_ARGS)")
+    add_compile_arguments(parser)
     args = parser.parse_args(argv)
-    if args.libtpu_flags != "none":  # before the topology starts libtpu, which reads them once
-        flags = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {LIBTPU_FLAGS[args.libtpu_flags]}"
-        os.environ["LIBTPU_INIT_ARGS"] = flags.strip()
-    target = CompileTarget.parse(args.target)
+    target, said = compile_target(args)
     mesh = target_mesh(target)
     rows = []
-    print(f"compiled by {target.describe()}" + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}"
-                                                if args.libtpu_flags != "none" else ""))
+    print(said)
     print("| model | recipe MiB | constrained MiB | jshard MiB | peak / best recipe | FLOPs / recipe |")
     print("|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
