@@ -74,12 +74,14 @@ def test_training_stays_within_its_tolerance_of_bf16():
     assert fp8 != bf16  # the hook ran
 
 
+@pytest.mark.parametrize("hook, per_gather", [(js.float8_all_gather, 1), (js.int8_all_gather, 2)])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_float8_units_are_gathered_again_in_backward(stacked):
-    """A float8 unit is freed after forward and re-gathered, as a bf16 one: as many all-gathers
-    and no more temporaries (the sweep's 4 x 256 GELU blocks, 8 CPU devices). The remat policy
-    used to save what float8_all_gather computes after its collective (the rescaled leaf), so
-    backward read that instead: on v5p 2 gathers of 4 in the stacked loop, 29.26 MiB against 10.67."""
+def test_custom_gathered_units_are_gathered_again_in_backward(stacked, hook, per_gather):
+    """A unit gathered by a custom hook is freed after forward and re-gathered, as a bf16 one:
+    as many gathers (int8_all_gather sends values and scales in two collectives) and no more
+    temporaries (the sweep's 4 x 256 GELU blocks, 8 CPU devices). The remat policy used to save
+    what the hook computes after its collective (the rescaled leaf), so backward read that
+    instead: float8 on v5p, 2 gathers of 4 in the stacked loop, 29.26 MiB against 10.67."""
     from benchmarks import memory_sweep
 
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -90,7 +92,7 @@ def test_float8_units_are_gathered_again_in_backward(stacked):
             step, args = memory_sweep.jshard_step(model, mesh, **policy)
             return step.lower(*args).compile()
 
-    bf16, fp8 = compiled(), compiled(custom_all_gather=js.float8_all_gather)
-    counts = [sum(c.kind == "all-gather" for c in hlo_collectives(x.as_text())) for x in (bf16, fp8)]
-    assert counts[0] == counts[1] == (4 if stacked else 13)
-    assert fp8.memory_analysis().temp_size_in_bytes <= bf16.memory_analysis().temp_size_in_bytes
+    bf16, custom = compiled(), compiled(custom_all_gather=hook)
+    counts = [sum(c.kind == "all-gather" for c in hlo_collectives(x.as_text())) for x in (bf16, custom)]
+    assert counts == [4 if stacked else 13, per_gather * (4 if stacked else 13)]
+    assert custom.memory_analysis().temp_size_in_bytes <= bf16.memory_analysis().temp_size_in_bytes
