@@ -6,9 +6,10 @@ constrained, jshard), with XLA dumping the compiled module's buffer assignment a
 (``compiler_options={"xla_dump_to": ...}``, one directory per variant), and prints for each:
 
 - ``memory_analysis()``'s temporaries and XLA's allocation for temporaries in the default memory
-  space (HBM on a TPU; ``preallocated-temp`` without a color in ``*-buffer-assignment.txt``);
-  on v5p ``temp_size_in_bytes`` exceeds that allocation by what other memory spaces and the
-  runtime add;
+  space (HBM on a TPU; ``preallocated-temp`` without a color in ``*-buffer-assignment.txt``).
+  They are not the same figure: on v5p ``temp_size_in_bytes`` exceeds the allocation by an
+  amount the dump does not itemise (0.4-52 MiB on the sweep's models above the recipe), on v6e
+  it can read less (0.00 MiB against an allocation of 2.17);
 - the point of the schedule where the most bytes of that allocation are occupied at once (the
   union of the live values' ``[offset, offset + size)``, so values sharing a buffer count once),
   and the allocation's size above it: what XLA's packing leaves unused at its fullest;
