@@ -13,9 +13,9 @@ primitive because what it computes after its collective (``float8_all_gather``'s
 rescaling) would otherwise be saved: the gathered leaf in another form, kept from forward to
 backward (v5p, four stacked 512 -> 1536 GELU blocks in bf16, activations kept, float8 gathers:
 2 gathers in the step's loops and a 29.26 MiB peak before, 4 and 11.48 MiB now; bf16 gathers
-10.67). Everything else is saveable, so activations are not recomputed. Values named :data:`SAVED` (gathered units
-that keep their parameters, group copies of ``reshard_after_forward=k``) are saved at
-the name.
+10.67). Everything else is saveable, so activations are not recomputed. Values named
+:data:`SAVED` (gathered units that keep their parameters, group copies of
+``reshard_after_forward=k``) are saved at the name.
 
 [Note: nested remat] JAX applies the outermost ``jax.checkpoint``'s policy to everything
 inside it, so a ``jax.checkpoint`` the user writes inside ``loss_fn`` or a ``js.scan``
