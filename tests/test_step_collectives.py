@@ -53,9 +53,11 @@ def test_reshard_to_groups_saves_group_copies_and_regathers_across_groups():
     _, collectives = _stack_step(2)
     within = "{{0,1},{2,3},{4,5},{6,7}}"
     across = "{{0,2,4,6},{1,3,5,7}}"
+    everyone = "{{0,1,2,3,4,5,6,7}}"
     backward = next(c.computation for c in collectives if c.kind == "reduce-scatter" and c.in_loop)
     gathers = [c for c in collectives if c.kind == "all-gather"]
-    assert {c.replica_groups for c in gathers} == {within, across}
+    assert {(c.shapes, c.replica_groups) for c in gathers} == {(((2 * W // 8, W),), within), (((W, W),), across),
+                                                                (((W,),), everyone)}  # the bias: kept whole
     regathers = [c for c in gathers if c.computation == backward]
     assert [(c.shapes, c.replica_groups) for c in regathers] == [(((W, W),), across)]
     reduce_groups = {c.replica_groups for c in collectives if c.kind == "reduce-scatter"}

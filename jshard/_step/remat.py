@@ -22,6 +22,21 @@ inside it, so a ``jax.checkpoint`` the user writes inside ``loss_fn`` or a ``js.
 body has no effect under the step's. :func:`remat_policy` therefore combines the user's
 activation policy (``value_and_grad(remat_policy=...)``) with jshard's: a value is saved
 only if both allow it, except ``SAVED`` gathers, which are always kept.
+
+[Note: loop residuals] Under :data:`REMAT_POLICY` a checkpoint saves every value but gathers
+and layout ops. Around a loop over stacked layers (``js.scan``, ``nnx.scan``, ``nn.scan``, a
+pipeline stage) each saved value is stacked over the layers by the scan and kept from forward
+to backward: XLA cannot fuse a GELU's elementwise intermediates back into the backward that
+reads them, as it does in unrolled code (v5p 2x2x2, eight stacked 1536 -> 4608 GELU blocks,
+activations kept, fp32: five ``f32[8,64,4608]`` stacks at the peak, 237.41 MiB against the
+recipe's 216.59). The checkpoints that hold a loop, the step's around the loss where it runs
+one (``segments.py``) and each layer's (``unit_gather.per_layer``), therefore also recompute
+elementwise arithmetic (:func:`loop_policy`): matmul outputs stay saved, what they feed is
+recomputed from them (matmul FLOPs unchanged in the 24 stacked models of the sweep). Both,
+because the outermost policy decides ([Note: nested remat]). A vector a layer reads (a bias,
+a norm's scale) is then needed in backward; it stays gathered from forward to backward
+(``unit_gather._kept_vector``: one vector per layer kept, no collective per vector per layer
+in backward).
 """
 
 from __future__ import annotations
@@ -198,6 +213,30 @@ def _policy(prim, *_, **params) -> bool:
 
 
 REMAT_POLICY = _policy
+
+# Elementwise arithmetic, recomputed in a loop's backward under jshard's own policy: see
+# [Note: loop residuals].
+_ELEMENTWISE = frozenset({"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sqrt",
+                          "rsqrt", "pow", "integer_pow", "square", "abs", "sign", "neg", "add", "add_any", "sub",
+                          "mul", "div", "max", "min", "select_n", "eq", "ne", "gt", "lt", "ge", "le", "and", "or",
+                          "not"})
+
+
+def _loop_policy(prim, *args, **params) -> bool:
+    return prim.name not in _ELEMENTWISE and _policy(prim, *args, **params)
+
+
+def loop_policy(policy: Any) -> Any:
+    """The policy for a checkpoint that holds a loop over stacked layers (or is one layer's):
+    under jshard's own policy elementwise arithmetic is recomputed too, any other policy is
+    returned as it is (see [Note: loop residuals]).
+
+    Example:
+      >>> import jax
+      >>> loop_policy(REMAT_POLICY) is REMAT_POLICY, loop_policy(jax.checkpoint_policies.nothing_saveable).__name__
+      (False, 'nothing_saveable')
+    """
+    return _loop_policy if policy is REMAT_POLICY else policy
 
 
 def keeps_cse_barrier(policy: Any) -> bool:

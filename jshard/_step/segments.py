@@ -76,7 +76,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend, keeps_cse_barrier
+from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend, keeps_cse_barrier, loop_policy
 
 
 def _is_start(eqn: Any) -> bool:
@@ -113,8 +113,9 @@ def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
     loss is checkpointed as a whole only where a unit gathered outside those bodies must be
     freed (``reshard_after_forward`` of a unit gathered at the top level), or where the step's
     policy is jshard's own (no ``remat_policy``): that one recomputes only cheap layout ops
-    and saves their inputs, less than plain differentiation keeps (v5p, eight stacked 1536-wide
-    tanh layers, activations kept: 35.7 MiB with it, 48.3 without).
+    (around a loop, elementwise arithmetic too: [Note: loop residuals] in ``remat.py``) and saves
+    their inputs, less than plain differentiation keeps (v5p, eight stacked 1536-wide tanh layers,
+    activations kept: 35.7 MiB with it, 48.3 without).
     """
     for eqn in eqns:
         if eqn.primitive.name == "name" and eqn.params.get("name") == FREE:
@@ -123,6 +124,12 @@ def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
                 frees_outside_checkpoints(j.eqns) for j in _sub_jaxprs(eqn)):
             return True
     return False
+
+
+def _has_loop(eqns: Sequence[Any]) -> bool:
+    """Whether a ``scan`` or ``while`` runs among ``eqns`` (nested jaxprs included)."""
+    return any(eqn.primitive.name in ("scan", "while") or any(_has_loop(j.eqns) for j in _sub_jaxprs(eqn))
+               for eqn in eqns)
 
 
 class _Segment:
@@ -260,7 +267,7 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
         if len(pieces) <= 1:
             whole = jcore.jaxpr_as_fun(closed)
             if _checkpoint_whole(jaxpr.eqns, policy):  # see [Note: recompute once]
-                whole = jax.checkpoint(whole, policy=policy)
+                whole = jax.checkpoint(whole, policy=loop_policy(policy) if _has_loop(jaxpr.eqns) else policy)
             return jax.tree.unflatten(jax.tree.structure(shape), whole(*flat_args))
         segments = [_Segment(p) for p in pieces]
         _wire(segments, jaxpr)

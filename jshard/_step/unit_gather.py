@@ -25,7 +25,7 @@ from jshard._sharding.step_state import NOT_IN_STEP, StepState
 from jshard._sharding.torus import phases_pay_off
 from jshard._sharding.unit import FSDPUnit, UnitMeta
 from jshard._step.gather import LeafComm, gather_leaf, leaf_comm
-from jshard._step.remat import FREE, GATHER_START, SAVED
+from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, SAVED, loop_policy
 from jshard._step.unit_collectives import gather_unit, joins_unit_buffer
 
 
@@ -53,7 +53,7 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
                 key = (comm.param_dtype, comm.reduce_dtype, comm.offloaded, comm.axes)  # one buffer: one collective
                 together.setdefault(key, []).append((i, comm))
             else:
-                out[i] = gather_leaf(comm, entries[i], raf)
+                out[i] = gather_leaf(comm, entries[i], False if _kept_vector(comm, step, layer) else raf)
     for group in together.values():
         if len(group) == 1:  # nothing to share a collective with: no buffer to copy through
             (i, comm), = group
@@ -62,9 +62,17 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
         idx = [i for i, _ in group]
         shards = tuple(checkpoint_name(entries[i], GATHER_START) for i in idx)
         gathered = gather_unit(tuple(c for _, c in group), shards)
-        for i, x in zip(idx, gathered, strict=True):
-            out[i] = checkpoint_name(x, FREE if raf else SAVED)
+        for (i, comm), x in zip(group, gathered, strict=True):
+            out[i] = checkpoint_name(x, FREE if raf and not _kept_vector(comm, step, layer) else SAVED)
     return out
+
+
+def _kept_vector(comm: LeafComm, step: StepState, layer: bool) -> bool:
+    """Whether a gathered leaf stays gathered from a stacked layer's forward to its backward: a
+    vector (a bias, a norm's scale) under jshard's own policy, whose loop checkpoints recompute the
+    elementwise arithmetic that reads it ([Note: loop residuals] in ``remat.py``). Gathered on its
+    own, it is gathered whole (no group copy); from a unit's flat buffer, its slice is kept."""
+    return layer and step.remat_policy is REMAT_POLICY and len(comm.layout.shape) <= 1
 
 
 def per_layer(step: StepState, fn: Callable[..., Any], checkpoint: Callable[..., Any] = jax.checkpoint) -> Any:
@@ -74,7 +82,7 @@ def per_layer(step: StepState, fn: Callable[..., Any], checkpoint: Callable[...,
     every layer, and the user's activation policy reaches into the loop body ([Note: nested
     remat]); as it is where the step gathered every unit up front.
     """
-    return fn if step.pregathered else checkpoint(fn, policy=step.remat_policy)
+    return fn if step.pregathered else checkpoint(fn, policy=loop_policy(step.remat_policy))
 
 
 def unshard_unit(unit: FSDPUnit, step: StepState) -> Any:
