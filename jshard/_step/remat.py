@@ -32,11 +32,11 @@ activations kept, fp32: five ``f32[8,64,4608]`` stacks at the peak, 237.41 MiB a
 recipe's 216.59). The checkpoints that hold a loop, the step's around the loss where it runs
 one (``segments.py``) and each layer's (``unit_gather.per_layer``), therefore also recompute
 elementwise arithmetic (:func:`loop_policy`): matmul outputs stay saved, what they feed is
-recomputed from them (matmul FLOPs unchanged in the 24 stacked models of the sweep). Both,
-because the outermost policy decides ([Note: nested remat]). A vector a layer reads (a bias,
-a norm's scale) is then needed in backward; it stays gathered from forward to backward
-(``unit_gather._kept_vector``: one vector per layer kept, no collective per vector per layer
-in backward).
+recomputed from them (that model 142.84 MiB; matmul FLOPs unchanged in the 24 stacked models of
+the sweep). Both, because the outermost policy decides ([Note: nested remat]). A vector a layer
+reads (a bias, a norm's scale) is then needed in backward; it stays gathered from forward to
+backward (``unit_gather._kept_vector``: one vector per layer kept, no collective per vector per
+layer in backward).
 """
 
 from __future__ import annotations
