@@ -6,7 +6,8 @@ was not given is an error (:meth:`StepState.unit`); where the step gathered ever
 front (deferred gradient sync) the values are returned as they are; otherwise every own,
 non-ignored leaf is all-gathered in ``param_dtype`` (per leaf, or through one flat buffer
 with ``unit_collectives``). One layer of a stacked unit runs its gather and compute under
-the step's checkpoint (:func:`per_layer`). The guard against reading a shard is
+the step's checkpoint (:func:`per_layer`), and under jshard's own policy keeps its vectors
+gathered until its backward (``_kept_vector``, [Note: loop residuals]). The guard against reading a shard is
 ``refuse_shard_read`` (``_sharding/local_shapes.py``, [Note: shard reads]), the forward's casts
 are ``MixedPrecisionPolicy``'s.
 """
