@@ -9,7 +9,8 @@ policy's figure (f32); all-reduce bytes; arguments against the analytic sum; tem
 matmul FLOPs per device against the one-device step's / 8 times ``(M+S-1)/M x S K/L`` (the
 bubble and the identity layers). ``--memory``: temporaries and live peak of both schedules
 against M (8 rows per microbatch, the batch growing with M), their slope per microbatch
-against the analytic ``K A`` and the rows'.
+against the analytic ``K A`` (``A``: a layer's saved ``h`` and ``h @ w``; its ``tanh`` is
+recomputed, [Note: loop residuals]) and the rows'.
 
     python -m benchmarks.pipeline_program                 # 8 simulated CPU devices
     python -m benchmarks.pipeline_program --target tpu    # XLA:TPU, v5p 2x2x2, compile only
@@ -143,7 +144,7 @@ def _memory_over_m(devices, stages: int, layers: int, width: int, rows: int) -> 
 
         lines.append(f"S={stages} K={per_stage} {schedule:5s} M={ms} temp={[round(t / 2**20, 3) for t in temp]} MiB "
                      f"peak={[round(p / 2**20, 3) for p in peak]} MiB; per microbatch: temp {slope(temp):.2f}, "
-                     f"peak {slope(peak):.2f} x (rows, width) f32 against K A = {3 * per_stage}, "
+                     f"peak {slope(peak):.2f} x (rows, width) f32 against K A = {2 * per_stage}, "
                      f"rows (2 + 2/S) = {2 + 2 / stages:.1f}")
     return lines
 

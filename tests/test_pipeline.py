@@ -235,7 +235,8 @@ def test_pipeline_program_moves_the_analytic_bytes(gather):
 def test_1f1b_keeps_activations_of_2S_1_microbatches_not_M(stages, ms):
     """From the compiled step on (stage S x fsdp 8/S), L=7, width 256, microbatches of 8 rows
     per column (the batch grows with M): GPipe's temporaries grow by at least one microbatch's
-    saved activations K A per microbatch (A: one layer's, 3 x (8, 256) f32 here: h, tanh, 1 - tanh^2),
+    saved activations K A per microbatch (A: one layer's, 2 x (8, 256) f32 here: h and h @ w; tanh
+    is recomputed from them, [Note: loop residuals]),
     1F1B's, past its min(2S - 1, M) slots, only by the rows ((2 + 2/S) x 8 x 256 f32: the
     stages' rows and their cotangents, this device's rows and theirs; 25% allowed for the narrow
     inputs and targets) and stay below GPipe's."""
@@ -250,7 +251,7 @@ def test_1f1b_keeps_activations_of_2S_1_microbatches_not_M(stages, ms):
             compiled = pipeline_step(jax.devices(), stages, layers, width, fsdp * m * rows, policy)[2]
             temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
     activation, (few, many) = rows * width * 4, ms
-    assert (temp["gpipe", many] - temp["gpipe", few]) / (many - few) >= per_stage * 3 * activation
+    assert (temp["gpipe", many] - temp["gpipe", few]) / (many - few) >= per_stage * 2 * activation
     assert (temp["1f1b", many] - temp["1f1b", few]) / (many - few) <= 1.25 * (2 + 2 / stages) * activation
     assert temp["1f1b", many] < temp["gpipe", many]
 
