@@ -28,8 +28,8 @@ import re
 import tempfile
 from typing import Any
 
-_ALLOCATION = re.compile(r"^allocation \d+: size \d+, (.*)$")
-_VALUE = re.compile(r"^\s*value: <\d+ ([\w.\-]+)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
+from jshard._plan.buffers import temp_values as assigned_temp_values
+
 _RANGE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\bop_name=\"([^\"]*)\"")
 _LAYOUT = re.compile(r"\{[^{}]*\}")
@@ -70,18 +70,8 @@ def temp_values(buffer_assignment: str) -> list[HeapValue]:
       >>> temp_values(text)
       [HeapValue(name='fusion.2{}', size=48, offset=16, shape='f32[12]')]
     """
-    values, in_temp = [], False
-    for line in buffer_assignment.splitlines():
-        allocation = _ALLOCATION.match(line)
-        if allocation:
-            kinds = allocation.group(1)
-            in_temp = "preallocated-temp" in kinds and "color" not in kinds
-            continue
-        value = _VALUE.match(line)
-        if value and in_temp:
-            name, index, size, offset, shape = value.groups()
-            values.append(HeapValue(name + (index or "{}"), int(size), int(offset), _LAYOUT.sub("", shape)))
-    return values
+    return [HeapValue(v.name if v.name.endswith("}") else v.name + "{}", v.size, v.offset, _LAYOUT.sub("", v.shape))
+            for v in assigned_temp_values(buffer_assignment) if "color" not in v.allocation]
 
 
 def live_ranges(live_range: str) -> dict[str, tuple[int, int]]:

@@ -22,8 +22,49 @@ import re
 from typing import Any
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
-_VALUE = re.compile(r"^ value: <\d+ ([^ >]+) @\d+> \(size=(\d+),offset=(\d+)\): ([a-z]+\d*)\[([\d,]*)\]")
+_VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
+_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 _SHOWN = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignedValue:
+    """One value XLA placed in a temporary allocation, as its buffer assignment writes it.
+
+    ``name``: the instruction, with its tuple index where it has one (``fusion.2``, ``fusion{1}``);
+    ``shape`` with its layout (``f32[12]{0}``); ``allocation``: the allocation's kinds
+    (``preallocated-temp:``, or ``color 1, preallocated-temp:`` in another memory space).
+    """
+
+    name: str
+    size: int
+    offset: int
+    shape: str
+    allocation: str
+
+
+def temp_values(buffer_assignment: str) -> list[AssignedValue]:
+    """The values of every preallocated temporary allocation in a ``*buffer-assignment.txt``.
+
+    Example:
+      >>> text = '''allocation 3: size 64, preallocated-temp:
+      ...  value: <7 fusion.2 @0> (size=48,offset=16): f32[12]{0}
+      ... allocation 5: size 8, parameter 0:
+      ...  value: <9 p @0> (size=8,offset=0): f32[2]{0}'''
+      >>> temp_values(text)
+      [AssignedValue(name='fusion.2', size=48, offset=16, shape='f32[12]{0}', allocation='preallocated-temp:')]
+    """
+    values, kinds = [], None
+    for line in buffer_assignment.splitlines():
+        allocation = _ALLOCATION.match(line)
+        if allocation:
+            kinds = allocation.group(3) if "preallocated-temp" in allocation.group(3) else None
+            continue
+        value = _VALUE.match(line) if kinds else None
+        if value:
+            name, size, offset, shape = value.groups()
+            values.append(AssignedValue(name, int(size), int(offset), shape, kinds))
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,20 +110,15 @@ def largest_temporaries(directory: str, placements: Any = (), top: int = _SHOWN)
         return ()
     leaf_of = _leaf_shapes(placements)
     seen: dict[tuple[str, tuple[int, ...]], Buffer] = {}
-    inside = False
-    for line in path.read_text().splitlines():
-        allocation = _ALLOCATION.match(line)
-        if allocation:
-            inside = "preallocated-temp" in allocation.group(3)
+    for value in temp_values(path.read_text()):
+        array = _ARRAY.match(value.shape)  # tuple-shaped values are left out
+        if array is None:
             continue
-        value = _VALUE.match(line) if inside else None
-        if value is None:
-            continue
-        shape = tuple(int(v) for v in value.group(5).split(",") if v)
-        op = re.sub(r"\.\d+$", "", value.group(1))
+        shape = tuple(int(v) for v in array.group(2).split(",") if v)
+        op = re.sub(r"\.\d+$", "", value.name)
         key = (op, shape)
         if key not in seen:
-            seen[key] = Buffer(op, value.group(4), shape, int(value.group(2)), leaf_of.get(shape, ""))
+            seen[key] = Buffer(op, array.group(1), shape, value.size, leaf_of.get(shape, ""))
     return tuple(sorted(seen.values(), key=lambda b: -b.bytes)[:top])
 
 
