@@ -126,6 +126,25 @@ def test_stacked_layers_gather_once_per_iteration():
     assert in_loops == {"all-gather": 2, "reduce-scatter": 1}  # forward, re-gather in backward; one reduction
 
 
+def test_a_stacked_vector_alone_in_its_buffer_is_kept_as_per_leaf():
+    """A bias stored in bfloat16 beside a float32 matrix has a buffer of its own (one leaf: gathered
+    on its own). It stays gathered to backward as per leaf ([Note: loop residuals]): gathered once in
+    forward, not again by the whole-loss checkpoint's recompute loop and the backward loop."""
+    params = {"w": jnp.ones((4, 16, 16)) * 0.1, "b": jnp.zeros((4, 16), jnp.bfloat16)}
+
+    def loss(p, x):
+        h, _ = js.scan(lambda h, layer: (jnp.tanh(h @ layer["w"] + layer["b"].astype(jnp.float32)), None), x, p)
+        return jnp.mean(h**2)
+
+    def gathers(unit_collectives):
+        policy = js.FullyShardPolicy(scan_axis=0, reshard_after_forward=True, unit_collectives=unit_collectives)
+        sharded = js.fully_shard(params, js.make_mesh(), policy)
+        compiled = jax.jit(js.value_and_grad(loss, unshard_params=False)).lower(sharded, jnp.ones((32, 16))).compile()
+        return collections.Counter(c.shapes for c in hlo_collectives(compiled.as_text()) if c.kind == "all-gather")
+
+    assert gathers(True) == gathers(False) == {((16,),): 1, ((16, 16),): 2}
+
+
 def test_the_flat_buffer_costs_at_most_one_gathered_layer_and_one_layer_of_gradient():
     """The documented cost: temporaries grow by at most one gathered layer (copy-out) plus one
     layer of gradient (copy-in); measured on 8 layers of (256, 256) + (256,)."""

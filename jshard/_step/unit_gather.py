@@ -44,27 +44,28 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
     if step.pregathered:
         return list(entries)
     out = list(entries)
-    together: dict[tuple, list[tuple[int, LeafComm]]] = {}
+    together: dict[tuple, list[tuple[int, LeafComm, bool | int]]] = {}
     phased = phases_pay_off([math.prod(layout.padded_shape) * np.dtype(layout.dtype).itemsize for layout in meta.layouts
                              if layout is not None and layout.sharded and not layout.ignored], in_loop=layer)
     for i, layout in enumerate(meta.layouts):
         if layout is not None and not layout.ignored:
             comm = leaf_comm(layout, meta.axes, meta.policy, step, in_loop=layer, phased=phased, layer=layer)
+            leaf_raf = False if _kept_vector(comm, step, layer) else raf
             if joins_unit_buffer(comm, raf):
                 key = (comm.param_dtype, comm.reduce_dtype, comm.offloaded, comm.axes)  # one buffer: one collective
-                together.setdefault(key, []).append((i, comm))
+                together.setdefault(key, []).append((i, comm, leaf_raf))
             else:
-                out[i] = gather_leaf(comm, entries[i], False if _kept_vector(comm, step, layer) else raf)
+                out[i] = gather_leaf(comm, entries[i], leaf_raf)
     for group in together.values():
         if len(group) == 1:  # nothing to share a collective with: no buffer to copy through
-            (i, comm), = group
-            out[i] = gather_leaf(comm, entries[i], raf)
+            (i, comm, leaf_raf), = group
+            out[i] = gather_leaf(comm, entries[i], leaf_raf)
             continue
-        idx = [i for i, _ in group]
+        idx = [i for i, _, _ in group]
         shards = tuple(checkpoint_name(entries[i], GATHER_START) for i in idx)
-        gathered = gather_unit(tuple(c for _, c in group), shards)
-        for (i, comm), x in zip(group, gathered, strict=True):
-            out[i] = checkpoint_name(x, FREE if raf and not _kept_vector(comm, step, layer) else SAVED)
+        gathered = gather_unit(tuple(c for _, c, _ in group), shards)
+        for (i, _, leaf_raf), x in zip(group, gathered, strict=True):
+            out[i] = checkpoint_name(x, FREE if leaf_raf else SAVED)
     return out
 
 
