@@ -23,12 +23,14 @@ def run(target: list[str]) -> None:
 
 
 def _leave() -> None:
-    """Leave the job once the target returned: JAX's shutdown barrier, which the process would
-    otherwise reach while the interpreter is being torn down (a run on 2 x 4 CPU processes
-    aborted there once, after its work was done: "terminate called after throwing an instance
-    of ''"). A target that raises or calls ``sys.exit`` leaves as before."""
+    """Leave the job once the target returned: stop the step watchdog, then JAX's shutdown
+    barrier, which the process would otherwise reach while the interpreter is being torn down.
+    A target that raises or calls ``sys.exit`` leaves through ``atexit``."""
     import jax
 
+    from jshard._multiprocess.watchdog import stop_watchdog
+
+    stop_watchdog()
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
 

@@ -26,6 +26,7 @@ not a hang this can name.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -70,8 +71,17 @@ class _Progress:
             self.publish()
 
 
+class _Thread:
+    """This process's watchdog thread and what tells it to stop."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=_watch, args=(timeout_s, self.stopping), name="jshard-watchdog",
+                                       daemon=True)
+
+
 _progress = _Progress()
-_started: list[threading.Thread] = []
+_started: list[_Thread] = []
 
 
 def steps(iterable: Iterable[T], start: int = 0) -> Iterator[T]:
@@ -183,12 +193,11 @@ def _exit_once_everyone_printed(client, text: str, count: int) -> None:
     os._exit(WATCHDOG_EXIT)
 
 
-def _watch(timeout_s: float) -> None:
+def _watch(timeout_s: float, stopping: threading.Event) -> None:
     client = distributed.global_state.client
     count = jax.process_count()
     first_seen: dict[tuple, float] = {}  # progress -> when this process first saw someone reach it
-    while True:
-        time.sleep(_POLL_S)
+    while not stopping.wait(_POLL_S):
         try:
             entries = client.key_value_dir_get(f"{_PREFIX}/progress/")
             records = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in entries}
@@ -229,6 +238,22 @@ def start_watchdog(timeout_s: float | None) -> None:
     if not timeout_s > 0:
         raise ValueError(f"The watchdog timeout must be positive seconds, got {timeout_s!r}.")
     _progress.publish()
-    thread = threading.Thread(target=_watch, args=(timeout_s,), name="jshard-watchdog", daemon=True)
-    thread.start()
-    _started.append(thread)
+    watchdog = _Thread(timeout_s)
+    watchdog.thread.start()
+    _started.append(watchdog)
+    atexit.register(stop_watchdog)
+
+
+def stop_watchdog() -> None:
+    """Stop this process's watchdog thread and wait until it has stopped (nothing if none runs).
+
+    The process leaves the job through it before JAX's shutdown (``child.py``) and at exit
+    (``atexit``, for processes started by hand): a daemon thread still inside a call to the
+    coordination service when the interpreter is torn down is ended there, inside C++, which
+    aborts the process after its work is done ("terminate called after throwing an instance
+    of ''", "FATAL: exception not rethrown": 1 run in 12 of a 2-process job under load).
+    """
+    for watchdog in _started:
+        watchdog.stopping.set()
+    for watchdog in _started:  # a poll, or the lagging stack's wait, ends within this
+        watchdog.thread.join(_POLL_S + _STACK_WAIT_S)

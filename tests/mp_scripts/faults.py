@@ -11,12 +11,21 @@ Usage (joins the job itself: runs with or without jshard.launch):
   faults.py finite OUT           optax.apply_if_finite with an Inf put on one device of process 1
 """
 
+import atexit
 import os
 import sys
+import threading
 import time
 
 from jshard.launch import initialize
 
+
+def _report_watchdog_at_exit():  # registered before initialize(): runs after jshard's own exit hooks
+    alive = any(t.name == "jshard-watchdog" and t.is_alive() for t in threading.enumerate())
+    print(f"watchdog thread alive at exit: {alive}", flush=True)
+
+
+atexit.register(_report_watchdog_at_exit)
 initialize()
 
 import jax  # noqa: E402
