@@ -2,10 +2,12 @@
 
 Each layer is ``tanh(h @ w + b)`` with ``w`` of ``W x W`` float32 (1 MiB at W = 512); the
 root unit owns a ``W x HEAD`` head. ``step_memory(kind, layers, policy)`` returns the
-compiled step's ``memory_analysis()`` and its HLO text; no array is allocated.
+compiled step's ``memory_analysis()`` and its HLO text; no array is allocated. ``mesh`` and
+``width`` place it elsewhere (a TPU topology's mesh) and make its layers wider.
 """
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -18,8 +20,25 @@ from jshard.flax import linen as jlinen
 from jshard.flax import nnx as jnnx
 
 W, HEAD, BATCH = 512, 8, 256
+N = 8  # devices
 KINDS = ("core", "nested", "nnx", "linen", "scan", "nnx_scan", "linen_scan")
 STACKED = ("scan", "nnx_scan", "linen_scan")
+
+
+def layer_bytes(width=W):
+    """One gathered float32 layer (1 MiB at W)."""
+    return width * width * 4
+
+
+def activation_bytes(width=W):
+    """One (local batch x width) float32 activation (64 KiB at W)."""
+    return BATCH // N * width * 4
+
+
+def fsdp2_bound(layers, width=W):
+    """FSDP2's: about 3 gathered units + one unit's full gradient + activations + sharded grads + head."""
+    layer = layer_bytes(width)
+    return 4 * layer + layers * 3 * activation_bytes(width) + layers * layer // N + width * HEAD * 4 + layer // 16
 
 
 def _root(policy):
@@ -27,8 +46,9 @@ def _root(policy):
     return js.FullyShardPolicy(mp_policy=policy.mp_policy)
 
 
-def _sds(*shape):
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
+def _sds(*shape, mesh=None):
+    sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
 
 
 def _layer(h, w, b):
@@ -42,14 +62,14 @@ def _head_loss(y):
 # ---------------------------------------------------------------- core units
 
 
-def _core(layers, policy, nested):
+def _core(layers, policy, nested, mesh, w):
     def block():
         if nested:  # the bias is a unit of its own inside the layer's unit
-            inner = js.fully_shard({"b": _sds(W)}, policy=policy)
-            return js.fully_shard({"w": _sds(W, W), "inner": inner}, policy=policy)
-        return js.fully_shard({"w": _sds(W, W), "b": _sds(W)}, policy=policy)
+            inner = js.fully_shard({"b": _sds(w)}, mesh, policy)
+            return js.fully_shard({"w": _sds(w, w), "inner": inner}, mesh, policy)
+        return js.fully_shard({"w": _sds(w, w), "b": _sds(w)}, mesh, policy)
 
-    params = js.fully_shard({"blocks": [block() for _ in range(layers)], "head": _sds(W, HEAD)}, policy=_root(policy))
+    params = js.fully_shard({"blocks": [block() for _ in range(layers)], "head": _sds(w, HEAD)}, mesh, _root(policy))
 
     def loss_fn(p, x):
         for unit in p["blocks"]:
@@ -61,10 +81,10 @@ def _core(layers, policy, nested):
     return jax.jit(js.value_and_grad(loss_fn, unshard_params=False)), params
 
 
-def _scan(layers, policy):
+def _scan(layers, policy, mesh, w):
     stacked = dataclasses.replace(policy, scan_axis=0)
-    stack = js.fully_shard({"w": _sds(layers, W, W), "b": _sds(layers, W)}, policy=stacked)
-    params = js.fully_shard({"blocks": stack, "head": _sds(W, HEAD)}, policy=_root(policy))
+    stack = js.fully_shard({"w": _sds(layers, w, w), "b": _sds(layers, w)}, mesh, stacked)
+    params = js.fully_shard({"blocks": stack, "head": _sds(w, HEAD)}, mesh, _root(policy))
 
     def loss_fn(p, x):
         x, _ = js.scan(lambda h, layer: (_layer(h, layer["w"], layer["b"]), None), x, p["blocks"])
@@ -77,40 +97,40 @@ def _scan(layers, policy):
 
 
 class NnxBlock(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(W, W, rngs=rngs)
+    def __init__(self, width, rngs):
+        self.lin = nnx.Linear(width, width, rngs=rngs)
 
     def __call__(self, x):
         return jnp.tanh(self.lin(x))
 
 
 class NnxMLP(nnx.Module):
-    def __init__(self, layers, scan, rngs):
+    def __init__(self, layers, scan, rngs, width=W):
         self.scan = scan
         if scan:
 
             @nnx.split_rngs(splits=layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def create(rngs):
-                return NnxBlock(rngs)
+                return NnxBlock(width, rngs)
 
             self.blocks = create(rngs)
         else:
-            self.blocks = nnx.List([NnxBlock(rngs) for _ in range(layers)])
-        self.head = nnx.Linear(W, HEAD, use_bias=False, rngs=rngs)
+            self.blocks = nnx.List([NnxBlock(width, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(width, HEAD, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
         return self.head(run_nnx_blocks(self.blocks, x, self.scan))
 
 
-def _nnx(layers, policy, scan):
-    model = nnx.eval_shape(lambda: NnxMLP(layers, scan, nnx.Rngs(0)))
+def _nnx(layers, policy, scan, mesh, w):
+    model = nnx.eval_shape(lambda: NnxMLP(layers, scan, nnx.Rngs(0), w))
     if scan:
-        jnnx.fully_shard(model.blocks, policy=dataclasses.replace(policy, scan_axis=0))
+        jnnx.fully_shard(model.blocks, mesh, dataclasses.replace(policy, scan_axis=0))
     else:
         for block in model.blocks:
-            jnnx.fully_shard(block, policy=policy)
-    jnnx.fully_shard(model, policy=_root(policy))
+            jnnx.fully_shard(block, mesh, policy)
+    jnnx.fully_shard(model, mesh, _root(policy))
     graphdef, state = nnx.split(model)
 
     def step(state, x):
@@ -125,7 +145,7 @@ def _nnx(layers, policy, scan):
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return jnp.tanh(nn.Dense(W)(x))
+        return jnp.tanh(nn.Dense(x.shape[-1])(x))
 
 
 class LinenScanBlock(LinenBlock):
@@ -137,23 +157,24 @@ class LinenMLP(nn.Module):
     layers: int
     scan: bool
     policy: js.FullyShardPolicy
+    mesh: Any = None
 
     @nn.compact
     def __call__(self, x):
         if self.scan:
-            block = jlinen.fully_shard(LinenScanBlock, policy=self.policy)
+            block = jlinen.fully_shard(LinenScanBlock, mesh=self.mesh, policy=self.policy)
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
             x, _ = stack(name="blocks")(x, None)
         else:
-            block = jlinen.fully_shard(LinenBlock, policy=self.policy)
+            block = jlinen.fully_shard(LinenBlock, mesh=self.mesh, policy=self.policy)
             for i in range(self.layers):
                 x = block(name=f"block_{i}")(x)
         return nn.Dense(HEAD, use_bias=False, name="head")(x)
 
 
-def _linen(layers, policy, scan):
-    model = jlinen.fully_shard(LinenMLP, policy=_root(policy))(layers, scan, policy)
-    x = jnp.zeros((1, W), jnp.float32)
+def _linen(layers, policy, scan, mesh, w):
+    model = jlinen.fully_shard(LinenMLP, mesh=mesh, policy=_root(policy))(layers, scan, policy, mesh)
+    x = jnp.zeros((1, w), jnp.float32)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])
     sharded = jlinen.shard_params(model, params, x)
     loss_fn = lambda p, x: _head_loss(model.apply({"params": p}, x))  # noqa: E731
@@ -163,17 +184,17 @@ def _linen(layers, policy, scan):
 # ---------------------------------------------------------------- compile
 
 
-def build(kind, layers, policy):
+def build(kind, layers, policy, mesh=None, width=W):
     if kind in ("core", "nested"):
-        return _core(layers, policy, kind == "nested")
+        return _core(layers, policy, kind == "nested", mesh, width)
     if kind == "scan":
-        return _scan(layers, policy)
+        return _scan(layers, policy, mesh, width)
     if kind in ("nnx", "nnx_scan"):
-        return _nnx(layers, policy, kind == "nnx_scan")
-    return _linen(layers, policy, kind == "linen_scan")
+        return _nnx(layers, policy, kind == "nnx_scan", mesh, width)
+    return _linen(layers, policy, kind == "linen_scan", mesh, width)
 
 
-def step_memory(kind, layers, policy):
-    step, params = build(kind, layers, policy)
-    compiled = step.lower(params, _sds(BATCH, W)).compile()
+def step_memory(kind, layers, policy, mesh=None, width=W):
+    step, params = build(kind, layers, policy, mesh, width)
+    compiled = step.lower(params, _sds(BATCH, width, mesh=mesh)).compile()
     return compiled.memory_analysis(), compiled.as_text()

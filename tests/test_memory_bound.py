@@ -15,14 +15,13 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from memory_models import BATCH, HEAD, KINDS, STACKED, W, step_memory
+from memory_models import BATCH, KINDS, STACKED, N, W, activation_bytes, fsdp2_bound, layer_bytes, step_memory
 
 import jshard as js
 from jshard._report.hlo import hlo_collectives
 
-N = 8
-LAYER = W * W * 4  # one gathered float32 layer (1 MiB)
-ACTIVATION = BATCH // N * W * 4  # one (local batch x W) float32 activation (64 KiB)
+LAYER = layer_bytes()  # one gathered float32 layer (1 MiB)
+ACTIVATION = activation_bytes()  # one (local batch x W) float32 activation (64 KiB)
 SLACK = LAYER // 16
 MIXED = {"fp32": js.MixedPrecisionPolicy(), "bf16": js.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)}
 
@@ -37,11 +36,6 @@ def measure(kind, layers, raf, precision):
 
 def growth_per_layer(kind, raf, precision):
     return (measure(kind, 8, raf, precision)[0] - measure(kind, 4, raf, precision)[0]) / 4
-
-
-def fsdp2_bound(layers):
-    """FSDP2's: about 3 gathered units + one unit's full gradient + activations + sharded grads + head."""
-    return 3 * LAYER + LAYER + layers * 3 * ACTIVATION + layers * LAYER // N + W * HEAD * 4 + SLACK
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
