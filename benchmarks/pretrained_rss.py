@@ -13,7 +13,10 @@ simulated CPU devices in a fresh process per route, reading that process's peak 
 
 On CPU the devices' shards live in the same process, so every route's peak includes the
 placed model (``placed`` bytes, padding included); ``over`` is the peak above that: the
-host's own buffers. Writes ``results/pretrained_rss.json``.
+host's own buffers. The children run with glibc's malloc arenas capped at 2
+(``MALLOC_ARENA_MAX``): one arena per reader thread (TensorStore's pool, for Orbax) moved the
+quick model's Orbax peak by 20-33 MiB from run to run on a loaded machine, 15-22 capped.
+Writes ``results/pretrained_rss.json``.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def child(route: str, fmt: str, path: str, size: str) -> dict:
 
 def measure(route: str, fmt: str, path: str, size: str) -> dict:
     """:func:`child` in a subprocess with 8 CPU devices."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8", "MALLOC_ARENA_MAX": "2"}
     cmd = [sys.executable, "-m", "benchmarks.pretrained_rss", "--child", route, fmt, path, size]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.splitlines()[-1])
