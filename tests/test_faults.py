@@ -45,6 +45,16 @@ def _kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def _by_hand(args: list[str], tmp_path: Path, extra: dict[str, str] | None = None):
+    """Two processes of ``faults.py args`` started as a cluster scheduler starts them (no launcher):
+    the processes and their logs."""
+    env = {join.COORDINATOR: f"127.0.0.1:{free_port()}", join.NUM_PROCESSES: "2", join.DEVICES_PER_PROCESS: "4",
+           **(extra or {})}
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = [_popen([sys.executable, "-u", FAULTS, *args], logs[i], {**env, join.PROCESS_ID: str(i)}) for i in range(2)]
+    return procs, logs
+
+
 def _launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "jshard.launch", "--nproc", "2", "--devices-per-proc", "4", *args]
 
@@ -87,11 +97,7 @@ def test_watchdog_names_the_hung_process_under_the_launcher(tmp_path):
 
 @pytest.mark.slow  # the launcher case above is the same watchdog; this one joins from the environment
 def test_watchdog_names_the_hung_process_without_the_launcher(tmp_path):
-    env = {join.COORDINATOR: f"127.0.0.1:{free_port()}", join.NUM_PROCESSES: "2", join.DEVICES_PER_PROCESS: "4",
-           "JSHARD_WATCHDOG_TIMEOUT": str(WATCHDOG_S)}
-    logs = [tmp_path / f"process{i}.log" for i in range(2)]
-    procs = [_popen([sys.executable, "-u", FAULTS, "hang", "6"], logs[i], {**env, join.PROCESS_ID: str(i)})
-             for i in range(2)]
+    procs, logs = _by_hand(["hang", "6"], tmp_path, {"JSHARD_WATCHDOG_TIMEOUT": str(WATCHDOG_S)})
     try:
         codes, seconds = _stall_to_exit(procs, logs)
     finally:
@@ -161,18 +167,16 @@ def test_apply_if_finite_skips_on_every_process_when_one_device_has_an_inf(tmp_p
         logs = [tmp_path / "finite.log"]
         procs = [_popen(_launcher(FAULTS, "finite", str(tmp_path)), logs[0])]
     else:  # leaves through atexit alone
-        env = {join.COORDINATOR: f"127.0.0.1:{free_port()}", join.NUM_PROCESSES: "2", join.DEVICES_PER_PROCESS: "4"}
-        logs = [tmp_path / f"process{i}.log" for i in range(2)]
-        cmd = [sys.executable, "-u", FAULTS, "finite", str(tmp_path)]
-        procs = [_popen(cmd, logs[i], {**env, join.PROCESS_ID: str(i)}) for i in range(2)]
+        procs, logs = _by_hand(["finite", str(tmp_path)], tmp_path)
     try:
         codes = [p.wait(timeout=120) for p in procs]
     finally:
         for p in procs:
             _kill(p)
-    text = "".join(log.read_text() if started == "launcher" else
-                   "".join(f"[{i}] {line}" for line in log.read_text().splitlines(keepends=True))
-                   for i, log in enumerate(logs))
+    if started == "launcher":
+        text = logs[0].read_text()
+    else:  # each line prefixed with its process, as the launcher does
+        text = "".join(f"[{i}] {line}" for i, log in enumerate(logs) for line in log.read_text().splitlines(True))
     assert codes == [0] * len(procs), text
     for i in range(2):
         assert f"[{i}] step 0 notfinite_count 0 total 0 params unchanged False" in text
@@ -181,6 +185,6 @@ def test_apply_if_finite_skips_on_every_process_when_one_device_has_an_inf(tmp_p
     digests = set(re.findall(r"\[\d\] final digest ([\d.]+)", text))
     assert len(digests) == 1, text
     # the watchdog stopped before the interpreter's teardown: a daemon thread ended there inside a
-    # call to the coordination service aborted a process after its work (exit 134, 1 run in 12)
+    # call to the coordination service aborted a process after its work (exit 134: 1 of 19 loaded jobs)
     for i in range(2):
         assert f"[{i}] watchdog thread alive at exit: False" in text, text

@@ -19,7 +19,8 @@ and the lagging process's Python stack, which it publishes itself: its watchdog 
 runs while its main thread sleeps or waits) and exits with :data:`WATCHDOG_EXIT` once
 every process has printed its own (at most ``_PRINTED_WAIT_S`` later): the coordination
 service lives in process 0, and JAX terminates the other processes as soon as it exits,
-which cut off a slower process's diagnosis on a busy machine before. Processes that are
+which cut off a slower process's diagnosis on a busy machine before; process 0 leaves
+last, once the others have said they are leaving. Processes that are
 all inside the same step are not behind one another; a step that is slow everywhere is
 not a hang this can name.
 """
@@ -46,6 +47,7 @@ CLUSTER_TIMEOUT_S = 600.0
 _POLL_S = 1.0
 _STACK_WAIT_S = 5.0
 _PRINTED_WAIT_S = 10.0
+_LEAVE_LAST_S = 0.2
 _PREFIX = "jshard/watchdog"
 T = TypeVar("T")
 
@@ -179,18 +181,35 @@ def _exit_once_everyone_printed(client, text: str, count: int) -> None:
     """Print the diagnosis, then exit once every process printed its own (or after ``_PRINTED_WAIT_S``).
 
     The coordination service lives in process 0: when it exits, JAX terminates the others at
-    once, so a process that exited right after printing could cut off a slower one's diagnosis.
+    once (a fatal error, SIGABRT), so a process that exited right after printing could cut off a
+    slower one's diagnosis, and process 0 leaving as soon as everyone printed aborted a process
+    that had printed but not yet exited (2 of 15 jobs started by hand). So process 0 leaves last,
+    once the others have said they are leaving.
     """
     print(text, file=sys.stderr, flush=True)
     sys.stdout.flush()
     deadline = time.monotonic() + _PRINTED_WAIT_S
     try:
-        client.key_value_set(f"{_PREFIX}/printed/{jax.process_index()}", "1", allow_overwrite=True)
-        while len(client.key_value_dir_get(f"{_PREFIX}/printed/")) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _mark(client, "printed")
+        _wait_for(client, "printed", count, deadline)
+        if jax.process_index() != 0:
+            _mark(client, "leaving")
+        else:
+            _wait_for(client, "leaving", count - 1, deadline)
+            time.sleep(_LEAVE_LAST_S)  # the last to say so is between its word and its exit
     except Exception:  # the service is gone: nobody is left to wait for
         pass
     os._exit(WATCHDOG_EXIT)
+
+
+def _mark(client, stage: str) -> None:
+    client.key_value_set(f"{_PREFIX}/{stage}/{jax.process_index()}", "1", allow_overwrite=True)
+
+
+def _wait_for(client, stage: str, count: int, deadline: float) -> None:
+    """Until ``count`` processes have marked ``stage``, or the deadline."""
+    while len(client.key_value_dir_get(f"{_PREFIX}/{stage}/")) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _watch(timeout_s: float, stopping: threading.Event) -> None:
