@@ -3,8 +3,9 @@
 Builds on :mod:`jshard._report.hlo`: each collective of the compiled HLO gets the number of
 times it runs per step (the product of the known trip counts of the ``while`` loops
 around it), its group size, its dtype as *asked for* (the lowered StableHLO's, since
-XLA:CPU upcasts bf16 collectives when compiling) and the bytes each device sends per
-execution under the ring model of docs/design.md "Performance model".
+XLA:CPU upcasts bf16 collectives when compiling; the compiled one where XLA narrowed it) and
+the bytes each device sends per execution under the ring model of docs/design.md
+"Performance model".
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ _IOTA_GROUPS = re.compile(r"^\[(\d+),(\d+)\]<=")
 class StepCollective:
     """One collective of a compiled step, as a report lists it.
 
-    ``dtype`` is the dtype the program asked for (lowered StableHLO) and
-    ``compiled_dtype`` the one the backend runs (XLA:CPU upcasts bf16 to f32).
+    ``dtype`` is the dtype the program asked for (lowered StableHLO), or the compiled one where
+    the backend sends less (XLA:TPU gathers f32 weights read by default-precision matmuls in
+    bf16), and ``compiled_dtype`` the one the backend runs (XLA:CPU upcasts bf16 to f32).
     ``bytes`` is the size of its result in ``dtype``; ``wire_bytes`` what each device
     sends per execution (ring model); ``executions`` how often it runs per step
     (``trip_count`` of the innermost loop, ``None`` when unknown, counted once); ``axes``
@@ -148,8 +150,14 @@ def _lowered_dtypes(stablehlo_text: str) -> dict[tuple[str, tuple[int, ...]], se
 
 
 def _requested_dtype(kind: str, shape: tuple[int, ...], compiled: str, lowered: dict) -> str:
+    """The lowered program's dtype where the backend widened it (XLA:CPU runs bf16 collectives in
+    f32), the compiled one where the backend narrowed it (XLA:TPU gathers an f32 leaf whose readers
+    are all default-precision matmuls in bf16: its convert moves before the all-gather)."""
     dtypes = lowered.get((kind, shape), set())
-    return next(iter(dtypes)) if len(dtypes) == 1 else compiled
+    if len(dtypes) != 1:
+        return compiled
+    asked = next(iter(dtypes))
+    return compiled if np.dtype(compiled).itemsize < np.dtype(asked).itemsize else asked
 
 
 def step_collectives(hlo_text: str, stablehlo_text: str = "", mesh_shape: dict[str, int] | None = None
