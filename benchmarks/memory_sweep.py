@@ -24,6 +24,11 @@ float32)``). Models: tanh MLPs (``tanh(h @ w + b)``), GELU MLP blocks (``h + gel
 ``w1`` 3x wider) and the benchmarks' transformer (``jshard/demo/model.py``). Writes
 ``results/memory_sweep.json`` (``memory_sweep_<target>.json`` for another target).
 
+From the same compiles it reports, per variant, the step's all-gathers and how many run
+asynchronously with a matmul in flight (``jshard/_report/schedule.py``), and for jshard the
+bytes each device sends per step by collective kind beside the performance model's analytic
+figure (``jshard.report.step_report``'s ``collective_bytes`` and ``analytic``).
+
 ``--libtpu-flags async`` compiles under MaxText's async-collective flags
 (:data:`ASYNC_COLLECTIVE_FLAGS`, set as ``LIBTPU_INIT_ARGS`` before libtpu starts: it reads them
 once per process) and writes ``memory_sweep_<target>_async.json``.
@@ -51,6 +56,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jshard as js  # noqa: E402
+from jshard._report.report import report_compiled  # noqa: E402
+from jshard._report.schedule import gather_schedule  # noqa: E402
 from jshard.demo import model as T  # noqa: E402
 from jshard.report import CompileTarget, Memory, matmul_flops  # noqa: E402
 
@@ -138,9 +145,22 @@ def _loop(body: Callable[..., Any], h: Any, blocks: list[Any], gather: Callable[
 # ----------------------------------------------------------------- the steps
 
 
-def _compiled(step: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, float]:
-    compiled = step.lower(*args).compile()
-    return {"peak": Memory.from_compiled(compiled).peak, "flops": matmul_flops(compiled.as_text())}
+def _compiled(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = False) -> dict[str, Any]:
+    """Peak and matmul FLOPs of the compiled step, its all-gathers and, for jshard's (``jshard``), what
+    it sends per device per step against the analytic figure (all from the one compile)."""
+    lowered = step.lower(*args)
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    gathers = gather_schedule(text)
+    out = {"peak": Memory.from_compiled(compiled).peak, "flops": matmul_flops(text), "gathers": len(gathers),
+           "gathers_overlapped": sum(g.matmuls_overlapped > 0 for g in gathers)}
+    if jshard:
+        report = report_compiled(compiled, lowered.as_text(), args, compiled_text=text)
+        out["collective_bytes"] = report.collective_bytes
+        out["analytic_bytes"] = {"all-gather": report.analytic.all_gather,
+                                 "reduce-scatter": report.analytic.reduce_scatter,
+                                 "all-reduce": report.analytic.all_reduce}
+    return out
 
 
 def recipe_step(m: Model, mesh: Mesh, constrained: bool) -> tuple[Any, tuple[Any, ...]]:
@@ -204,11 +224,17 @@ def variant_step(m: Model, mesh: Mesh, variant: str) -> tuple[Any, tuple[Any, ..
     raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
 
 
-def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS) -> dict[str, dict[str, float]]:
-    """Peak bytes and matmul FLOPs per device of each variant's step (``variants``: which to compile)."""
-    results = {v: _compiled(*variant_step(m, mesh, v)) for v in variants}
-    return {"peak_bytes": {v: r["peak"] for v, r in results.items()},
-            "flops": {v: r["flops"] for v, r in results.items()}}
+def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+    """Per variant's step (``variants``: which to compile): peak bytes and matmul FLOPs per device, its
+    all-gathers (``gathers``) and how many of them are asynchronous with a matmul in flight
+    (``gathers_overlapped``); for jshard also ``collective_bytes`` (sent per device per step, by
+    kind) beside ``analytic_bytes`` (the performance model's)."""
+    results = {v: _compiled(*variant_step(m, mesh, v), jshard=v == "jshard") for v in variants}
+    fields = {"peak_bytes": "peak", "flops": "flops", "gathers": "gathers", "gathers_overlapped": "gathers_overlapped"}
+    out: dict[str, Any] = {key: {v: r[field] for v, r in results.items()} for key, field in fields.items()}
+    if "jshard" in results:
+        out.update({k: results["jshard"][k] for k in ("collective_bytes", "analytic_bytes")})
+    return out
 
 
 def models(quick: bool) -> list[Model]:
@@ -250,6 +276,14 @@ def compile_target(args: argparse.Namespace) -> tuple[CompileTarget, str]:
     return target, said
 
 
+def _sent(by_kind: dict[str, float]) -> str:
+    return " / ".join(f"{by_kind.get(k, 0.0) / 2**20:.2f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
+
+
+def _overlapped(result: dict[str, Any], variant: str) -> str:
+    return f"{result['gathers_overlapped'][variant]} / {result['gathers'][variant]}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small models (a smoke test)")
@@ -263,8 +297,9 @@ def main(argv: list[str] | None = None) -> None:
     mesh = target_mesh(target)
     rows = []
     print(said)
-    print("| model | recipe MiB | constrained MiB | jshard MiB | peak / best recipe | FLOPs / recipe |")
-    print("|---|---|---|---|---|---|")
+    print("| model | recipe MiB | constrained MiB | jshard MiB | peak / best recipe | FLOPs / recipe | "
+          "jshard sends MiB (AG / RS / AR) | analytic | gathers overlapped: jshard (recipes) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
         result = measure(m, mesh)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})
@@ -273,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
                                                            result["peak_bytes"]["constrained"])
         flops_ratio = result["flops"]["jshard"] / max(result["flops"]["recipe"], 1.0)
         print(f"| {m.name} | {mib['recipe']:.2f} | {mib['constrained']:.2f} | {mib['jshard']:.2f} | "
-              f"{peak_ratio:.2f} | {flops_ratio:.2f} |", flush=True)
+              f"{peak_ratio:.2f} | {flops_ratio:.2f} | {_sent(result['collective_bytes'])} | "
+              f"{_sent(result['analytic_bytes'])} | {_overlapped(result, 'jshard')} "
+              f"({_overlapped(result, 'recipe')}, {_overlapped(result, 'constrained')}) |", flush=True)
     worst = max(r["peak_bytes"]["jshard"] / min(r["peak_bytes"]["recipe"], r["peak_bytes"]["constrained"])
                 for r in rows)
     print(f"worst jshard / best recipe peak: {worst:.3f} over {len(rows)} models")

@@ -50,6 +50,11 @@ def test_quick_memory_sweep(tmp_path):
     for m in models:
         assert set(m["peak_bytes"]) == set(m["flops"]) == {"recipe", "constrained", "jshard"}, m["name"]
         assert 0 < m["flops"]["jshard"] <= m["flops"]["recipe"], m["name"]  # recompute once: no more than the recipe
+        sent, model = m["collective_bytes"], m["analytic_bytes"]  # at the analytic figure, or below where XLA
+        assert 0 < sent["reduce-scatter"] == pytest.approx(model["reduce-scatter"]), m["name"]  # merges a re-gather
+        assert 0 < sent["all-gather"] <= model["all-gather"], m["name"]
+        assert model["all-reduce"] == 0 and sent["all-reduce"] == 2 * 4 * 7 / 8, m["name"]  # the loss, one f32
+        assert m["gathers"]["jshard"] > 0 and m["gathers_overlapped"]["jshard"] == 0  # XLA:CPU: synchronous
     unrolled = next(m for m in models if not m["stacked"])["peak_bytes"]
     assert unrolled["jshard"] <= min(unrolled["recipe"], unrolled["constrained"])  # one layer gathered at a time
 
