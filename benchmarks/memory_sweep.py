@@ -19,8 +19,9 @@ loop trip counts included) for:
 Like for like: ``remat`` models recompute each layer in backward (recipes ``jax.checkpoint``
 around the layer, jshard ``remat_policy=nothing_saveable``), the others keep activations (no
 checkpoint; jshard's default). ``bf16`` models compute and gather in bfloat16 from float32
-parameters (recipes cast the parameters inside the loss; jshard ``MixedPrecisionPolicy(bfloat16,
-float32)``). Models: tanh MLPs (``tanh(h @ w + b)``), GELU MLP blocks (``h + gelu(h @ w1) @ w2``,
+parameters (recipes cast the parameters inside the loss; jshard
+``MixedPrecisionPolicy(param_dtype=bfloat16)``, which reduces gradients in bfloat16 too). Models:
+tanh MLPs (``tanh(h @ w + b)``), GELU MLP blocks (``h + gelu(h @ w1) @ w2``,
 ``w1`` 3x wider) and the benchmarks' transformer (``jshard/demo/model.py``). Writes
 ``results/memory_sweep.json`` (``memory_sweep_<target>.json`` for another target).
 
