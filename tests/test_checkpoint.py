@@ -78,6 +78,7 @@ TARGETS = {
     "hsdp_2x4": (lambda: js.make_mesh(replicate=2), None),
     "last_dim": (lambda: js.make_mesh(), js.FullyShardPolicy(shard_placement_fn=lambda p, x: -1 if x.ndim else None)),
     "offload": (MESH4, js.FullyShardPolicy(offload_policy=js.CPUOffloadPolicy())),
+    "small_leaves_whole": (MESH4, js.FullyShardPolicy(replicate_below=31)),  # (10, 3), (1,), the ids: whole
 }
 
 

@@ -26,7 +26,8 @@ class LeafLayout:
     """Static facts of one leaf of a unit.
 
     ``dim`` is the placement dim in the stored array (``None``: replicated, for 0-d
-    leaves and, with ``scan_axis=0``, per-layer scalars); ``padded`` its padded size.
+    leaves, with ``scan_axis=0`` per-layer scalars, and leaves smaller than the policy's
+    ``replicate_below``); ``padded`` its padded size.
     ``ignored`` leaves are stored untouched. ``model[d]``: the model axes that split dim
     ``d`` (``()`` for a leaf no model axis splits; see [Note: model axes]). ``layers``: for a
     stack laid out as pipeline stages (``js.stage_layers``), the model's layer count ``L``;
@@ -129,6 +130,8 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, 
     first = 1 if stacked else 0
     _check_model_split(path, leaf, axes, model)
     if len(shape) <= first or 0 in shape:  # nothing to split (0-d, a per-layer scalar, or empty)
+        return LeafLayout(shape, dtype, None, 0, model=model)
+    if math.prod(shape[first:]) < policy.replicate_below and not any(model):  # kept whole on every device
         return LeafLayout(shape, dtype, None, 0, model=model)
     dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
     if dim is None:

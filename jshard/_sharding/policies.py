@@ -243,9 +243,19 @@ class FullyShardPolicy:
         gradient) of temporaries while it is copied. ``False`` (default): one per leaf,
         which XLA's GPU and TPU collective combiners may merge without a copy. Leaves with
         a custom collective, model axes or an int ``reshard_after_forward`` keep their own.
+      replicate_below: leaves with fewer elements than this (per layer, with ``scan_axis=0``)
+        are not sharded: every device keeps them whole, they are never gathered, and their
+        gradient is all-reduced (DeepSpeed ZeRO-3's ``stage3_param_persistence_threshold``).
+        Sharded, biases and norm scales cost one small collective each per gather, which
+        XLA:TPU's combiners merge across units (docs/benchmarks.md); whole, each costs
+        ``size * (N - 1) / N`` more elements of memory per device and fewer bytes on the wire.
+        ``0`` (default): every leaf is sharded, as in FSDP2. Leaves split over model axes stay
+        sharded.
 
     Example:
       >>> import jshard as js
+      >>> js.FullyShardPolicy(replicate_below=4096).replicate_below
+      4096
       >>> policy = js.FullyShardPolicy(reshard_after_forward=False)
       >>> hash(policy) == hash(js.FullyShardPolicy(reshard_after_forward=False))
       True
@@ -264,6 +274,7 @@ class FullyShardPolicy:
     custom_reduce_scatter: ReduceScatter | None = None
     all_reduce_hook: AllReduce | None = None
     unit_collectives: bool = False
+    replicate_below: int = 0
 
     def __post_init__(self):
         raf = self.reshard_after_forward
@@ -279,6 +290,12 @@ class FullyShardPolicy:
             raise ValueError(
                 f"`scan_axis` must be 0 (layers stacked along axis 0) or None, got "
                 f"{self.scan_axis!r}; move the layer axis to the front (jnp.moveaxis)."
+            )
+        below = self.replicate_below
+        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+            raise ValueError(
+                f"`replicate_below` must be a non-negative int (a number of elements), got {below!r}; "
+                "0 shards every leaf."
             )
         factor = self.gradient_divide_factor
         if factor is not None and (isinstance(factor, bool) or not factor > 0):
