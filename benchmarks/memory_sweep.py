@@ -32,7 +32,9 @@ figure (``jshard.report.step_report``'s ``collective_bytes`` and ``analytic``).
 
 ``--libtpu-flags async`` compiles under MaxText's async-collective flags
 (:data:`ASYNC_COLLECTIVE_FLAGS`, set as ``LIBTPU_INIT_ARGS`` before libtpu starts: it reads them
-once per process) and writes ``memory_sweep_<target>_async.json``.
+once per process) and writes ``memory_sweep_<target>_async.json``. ``--replicate-below N``
+compiles jshard's steps with ``FullyShardPolicy(replicate_below=N)`` (leaves under ``N``
+elements kept whole on every device) and adds ``_replicate_below_N`` to the file's name.
 """
 
 from __future__ import annotations
@@ -216,21 +218,23 @@ def jshard_step(m: Model, mesh: Mesh, **policy: Any) -> tuple[Any, tuple[Any, ..
     return step, (sharded, _batch(m))
 
 
-def variant_step(m: Model, mesh: Mesh, variant: str) -> tuple[Any, tuple[Any, ...]]:
-    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments."""
+def variant_step(m: Model, mesh: Mesh, variant: str, **jshard_policy: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments (``jshard_policy``:
+    more ``FullyShardPolicy`` fields for jshard's)."""
     if variant == "jshard":
-        return jshard_step(m, mesh)
+        return jshard_step(m, mesh, **jshard_policy)
     if variant in ("recipe", "constrained"):
         return recipe_step(m, mesh, constrained=variant == "constrained")
     raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
 
 
-def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS, **jshard_policy: Any) -> dict[str, Any]:
     """Per variant's step (``variants``: which to compile): peak bytes and matmul FLOPs per device, its
     all-gathers (``gathers``) and how many of them are asynchronous with a matmul in flight
     (``gathers_overlapped``); for jshard also ``collective_bytes`` (sent per device per step, by
-    kind) beside ``analytic_bytes`` (the performance model's)."""
-    results = {v: _compiled(*variant_step(m, mesh, v), jshard=v == "jshard") for v in variants}
+    kind) beside ``analytic_bytes`` (the performance model's). ``jshard_policy``: more
+    ``FullyShardPolicy`` fields for jshard's step."""
+    results = {v: _compiled(*variant_step(m, mesh, v, **jshard_policy), jshard=v == "jshard") for v in variants}
     fields = {"peak_bytes": "peak", "flops": "flops", "gathers": "gathers", "gathers_overlapped": "gathers_overlapped"}
     out: dict[str, Any] = {key: {v: r[field] for v, r in results.items()} for key, field in fields.items()}
     if "jshard" in results:
@@ -290,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="two small models (a smoke test)")
     parser.add_argument("--only", default="", help="run the models whose name contains this text")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
+    parser.add_argument("--replicate-below", type=int, default=0,
+                        help="jshard's FullyShardPolicy(replicate_below=N): leaves under N elements kept whole")
     parser.add_argument("--merge", action="store_true",
                         help="keep the stored rows of the models not run (with --only: a sweep in parts)")
     add_compile_arguments(parser)
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
           "jshard sends MiB (AG / RS / AR) | analytic | gathers overlapped: jshard (recipes) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
-        result = measure(m, mesh)
+        result = measure(m, mesh, replicate_below=args.replicate_below)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})
         mib = {k: v / 2**20 for k, v in result["peak_bytes"].items()}
         peak_ratio = result["peak_bytes"]["jshard"] / min(result["peak_bytes"]["recipe"],
@@ -318,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = "memory_sweep" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}"
     name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"
+    name += f"_replicate_below_{args.replicate_below}" if args.replicate_below else ""
     path = args.out / f"{name}.json"
     if args.merge and path.exists():
         run = {r["name"] for r in rows}
@@ -325,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         kept = [r for r in json.loads(path.read_text())["models"] if r["name"] not in run]
         rows = sorted(kept + rows, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     result = {"quick": args.quick, "target": args.target, "models": rows}
+    if args.replicate_below:
+        result["replicate_below"] = args.replicate_below
     if args.libtpu_flags != "none":
         result["libtpu_init_args"] = os.environ["LIBTPU_INIT_ARGS"]
     path.write_text(json.dumps(result, indent=1))
