@@ -122,3 +122,15 @@ def test_leaves_split_over_model_axes_stay_sharded():
     unit = js.fully_shard({"tp_bias": tp_bias, "bias": jnp.ones(8)}, mesh, WHOLE)
     assert unit["tp_bias"].sharding.spec == PartitionSpec(("fsdp", "tp"))
     assert unit["bias"].sharding.spec == PartitionSpec()
+
+
+def test_born_sharded_inside_jit_gives_the_eager_layout_and_values():
+    """Traced inside ``jax.jit`` (a model initialised there), the whole leaves come out whole and
+    the rest sharded, with the eager values."""
+    mesh = js.make_mesh()
+    eager = js.fully_shard(init_params(), mesh, WHOLE)
+    born = jax.jit(lambda: js.fully_shard(init_params(), mesh, WHOLE))()
+    for (path, got), want in zip(jax.tree.flatten_with_path(born)[0], jax.tree.leaves(eager), strict=True):
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim), jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert born["block0"]["b"].sharding.is_fully_replicated and not born["block0"]["w"].sharding.is_fully_replicated

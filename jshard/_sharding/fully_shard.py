@@ -112,7 +112,8 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
     Apply it bottom-up: to each block, then to the root; sub-trees already returned by
     ``fully_shard`` stay their own units. Every non-ignored leaf with ``ndim >= 1`` is
     sharded on its placement dim (default 0) over the shard axes, zero-padded at the end
-    to a multiple of the shard size ``N``; 0-d leaves stay replicated. Traced inside
+    to a multiple of the shard size ``N``; 0-d leaves, and leaves under the policy's
+    ``replicate_below`` elements, stay replicated. Traced inside
     ``jax.jit`` (a model initialised there: "born sharded") it gives the eager layout and
     values, each device computing only its own rows ([Note: born sharded]).
 
