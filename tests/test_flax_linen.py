@@ -274,3 +274,20 @@ def test_memory_block_wise_vs_root_only():
     assert block.argument_size_in_bytes <= 1.05 * param_bytes / len(jax.devices()) + 8 * BATCH * cfg.seq
     assert block.temp_size_in_bytes < 0.45 * root.temp_size_in_bytes
     assert kept.temp_size_in_bytes > block.temp_size_in_bytes + 0.5 * param_bytes  # gathered layers saved
+
+
+def test_parity_with_vectors_kept_whole():
+    """``replicate_below`` at the smallest kernel's size through Linen's wrappers: LayerNorm scales
+    and biases whole, kernels sharded, training as the unsharded reference."""
+    cfg = Config(scan=True, tied=True)
+    ref_losses, ref_params = reference(cfg)
+    policy = js.FullyShardPolicy(replicate_below=cfg.dim * cfg.dim)
+    model = sharded_model(cfg, policy, policy)
+    params = jlinen.shard_params(model, init_params(cfg), jnp.zeros((2, cfg.seq), jnp.int32))
+    specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree.flatten_with_path(params)[0]}
+    vectors = {p for p in specs if "scale" in p or "bias" in p}
+    assert vectors and all("fsdp" not in str(specs[p]) for p in vectors), specs
+    assert all("fsdp" in str(spec) for p, spec in specs.items() if "kernel" in p or "embedding" in p), specs
+    losses, trained = train(model, params, jlinen.value_and_grad, cfg)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
+    assert max_diff(ref_params, js.unshard(trained)) <= 1e-5
