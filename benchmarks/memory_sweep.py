@@ -34,7 +34,9 @@ figure (``jshard.report.step_report``'s ``collective_bytes`` and ``analytic``).
 (:data:`ASYNC_COLLECTIVE_FLAGS`, set as ``LIBTPU_INIT_ARGS`` before libtpu starts: it reads them
 once per process) and writes ``memory_sweep_<target>_async.json``. ``--replicate-below N``
 compiles jshard's steps with ``FullyShardPolicy(replicate_below=N)`` (leaves under ``N``
-elements kept whole on every device) and adds ``_replicate_below_N`` to the file's name.
+elements kept whole on every device) and adds ``_replicate_below_N`` to the file's name;
+``--no-backward-prefetch`` compiles them with ``value_and_grad(backward_prefetch=False)``
+(``_no_backward_prefetch``).
 """
 
 from __future__ import annotations
@@ -193,8 +195,9 @@ def recipe_step(m: Model, mesh: Mesh, constrained: bool) -> tuple[Any, tuple[Any
     return step, (params, _batch(m))
 
 
-def jshard_step(m: Model, mesh: Mesh, **policy: Any) -> tuple[Any, tuple[Any, ...]]:
-    """jshard's step for ``m`` and its abstract arguments; ``policy``: more ``FullyShardPolicy`` fields."""
+def jshard_step(m: Model, mesh: Mesh, backward_prefetch: bool = True, **policy: Any) -> tuple[Any, tuple[Any, ...]]:
+    """jshard's step for ``m`` and its abstract arguments; ``policy``: more ``FullyShardPolicy`` fields;
+    ``backward_prefetch``: :func:`jshard.value_and_grad`'s."""
     params = _params(m)
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if m.bf16 else \
         js.MixedPrecisionPolicy()
@@ -214,7 +217,8 @@ def jshard_step(m: Model, mesh: Mesh, **policy: Any) -> tuple[Any, tuple[Any, ..
         return _loss(m, run, js.unshard(p), b, "none")
 
     remat = jax.checkpoint_policies.nothing_saveable if m.remat else None
-    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=remat), donate_argnums=0)
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=remat,
+                                     backward_prefetch=backward_prefetch), donate_argnums=0)
     return step, (sharded, _batch(m))
 
 
@@ -296,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
     parser.add_argument("--replicate-below", type=int, default=0,
                         help="jshard's FullyShardPolicy(replicate_below=N): leaves under N elements kept whole")
+    parser.add_argument("--no-backward-prefetch", action="store_true",
+                        help="jshard's value_and_grad(backward_prefetch=False)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the stored rows of the models not run (with --only: a sweep in parts)")
     add_compile_arguments(parser)
@@ -308,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
           "jshard sends MiB (AG / RS / AR) | analytic | gathers overlapped: jshard (recipes) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
-        result = measure(m, mesh, replicate_below=args.replicate_below)
+        result = measure(m, mesh, replicate_below=args.replicate_below,
+                         backward_prefetch=not args.no_backward_prefetch)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})
         mib = {k: v / 2**20 for k, v in result["peak_bytes"].items()}
         peak_ratio = result["peak_bytes"]["jshard"] / min(result["peak_bytes"]["recipe"],
@@ -325,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "memory_sweep" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}"
     name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"
     name += f"_replicate_below_{args.replicate_below}" if args.replicate_below else ""
+    name += "_no_backward_prefetch" if args.no_backward_prefetch else ""
     path = args.out / f"{name}.json"
     if args.merge and path.exists():
         run = {r["name"] for r in rows}
@@ -334,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"quick": args.quick, "target": args.target, "models": rows}
     if args.replicate_below:
         result["replicate_below"] = args.replicate_below
+    if args.no_backward_prefetch:
+        result["backward_prefetch"] = False
     if args.libtpu_flags != "none":
         result["libtpu_init_args"] = os.environ["LIBTPU_INIT_ARGS"]
     path.write_text(json.dumps(result, indent=1))

@@ -278,7 +278,8 @@ def test_memory_block_wise_vs_root_only():
 
 def test_parity_with_vectors_kept_whole():
     """``replicate_below`` at the smallest kernel's size through Linen's wrappers: LayerNorm scales
-    and biases whole, kernels sharded, training as the unsharded reference."""
+    and biases whole, kernels sharded, training as the unsharded reference (the step's backward
+    prefetch off: the option reaches the core step)."""
     cfg = Config(scan=True, tied=True)
     ref_losses, ref_params = reference(cfg)
     policy = js.FullyShardPolicy(replicate_below=cfg.dim * cfg.dim)
@@ -288,6 +289,6 @@ def test_parity_with_vectors_kept_whole():
     vectors = {p for p in specs if "scale" in p or "bias" in p}
     assert vectors and all("fsdp" not in str(specs[p]) for p in vectors), specs
     assert all("fsdp" in str(spec) for p, spec in specs.items() if "kernel" in p or "embedding" in p), specs
-    losses, trained = train(model, params, jlinen.value_and_grad, cfg)
+    losses, trained = train(model, params, functools.partial(jlinen.value_and_grad, backward_prefetch=False), cfg)
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
     assert max_diff(ref_params, js.unshard(trained)) <= 1e-5

@@ -194,11 +194,13 @@ def test_memory_block_wise_vs_root_only():
     assert block.temp_size_in_bytes + block.argument_size_in_bytes < 1.25 * param_bytes
 
 
-@pytest.mark.parametrize("cfg", [Config(), Config(scan=True, tied=True)], ids=["unrolled", "scan"])
-def test_parity_with_vectors_kept_whole(cfg):
+@pytest.mark.parametrize("cfg, prefetch", [(Config(), True), (Config(), False), (Config(scan=True, tied=True), True)],
+                         ids=["unrolled", "unrolled-no-backward-prefetch", "scan"])
+def test_parity_with_vectors_kept_whole(cfg, prefetch):
     """``replicate_below`` at the smallest kernel's size (dim x dim): LayerNorm scales, biases and
     the (seq, dim) position table whole on every device (the scan's per layer), every kernel and
-    the embedding sharded; training matches the unsharded reference."""
+    the embedding sharded; training matches the unsharded reference (with the backward prefetch
+    off too)."""
     ref_losses, ref_params = reference(cfg)
     policy = js.FullyShardPolicy(replicate_below=cfg.dim * cfg.dim)
     model = shard(Transformer(cfg, nnx.Rngs(0)), policy, policy)
@@ -206,6 +208,6 @@ def test_parity_with_vectors_kept_whole(cfg):
              for path, leaf in jax.tree.flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
     small = {path for path in specs if "scale" in path or "bias" in path or path == "['pos']"}
     assert len(small) > 4 and {path for path, spec in specs.items() if "fsdp" not in str(spec)} == small, specs
-    losses, model = train(model, jnnx.value_and_grad, cfg)
+    losses, model = train(model, functools.partial(jnnx.value_and_grad, backward_prefetch=prefetch), cfg)
     np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=1e-5)
     assert max_diff(ref_params, params_of_sharded(model)) <= 1e-5

@@ -175,6 +175,8 @@ def test_step_errors():
         grad_fn({"a": sharded, "b": other}, X)
     with pytest.raises(ValueError, match=r"`microbatches` must be a positive int"):
         js.value_and_grad(_loss, microbatches=0)
+    with pytest.raises(ValueError, match=r"`backward_prefetch` must be a bool, got 'post'"):
+        js.value_and_grad(_loss, backward_prefetch="post")
 
     def closes_over(p, x):
         return jnp.sum(js.unshard(sharded)["w"])

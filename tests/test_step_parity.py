@@ -51,8 +51,11 @@ def test_parity_explicit_and_auto_meshes(reference, axis_type):
         {"microbatches": 4, "requires_gradient_sync": False},
         {"microbatches": 2, "requires_all_reduce": False},
         {"remat_policy": jax.checkpoint_policies.nothing_saveable},
+        {"backward_prefetch": False},
+        {"backward_prefetch": False, "remat_policy": jax.checkpoint_policies.nothing_saveable},
     ],
-    ids=["sync-each-microbatch", "sync-once", "hsdp-all-reduce-once", "activation-remat"],
+    ids=["sync-each-microbatch", "sync-once", "hsdp-all-reduce-once", "activation-remat", "no-backward-prefetch",
+         "no-backward-prefetch-remat"],
 )
 def test_parity_with_step_options(reference, kwargs):
     sharded = shard(init_params(), js.make_mesh(replicate=2))

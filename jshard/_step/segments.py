@@ -26,7 +26,11 @@ The step therefore traces the loss to a jaxpr and cuts its top-level equations i
   not before the one after that finished, and is a different computation from the forward
   gather (CSE cannot merge it). The last segment has no next: its shards wait for its own
   cotangents, and the token cotangent it hands back waits for its backward (its incoming
-  cotangent is the loss's constant 1, on which nothing can be made to wait).
+  cotangent is the loss's constant 1, on which nothing can be made to wait). With
+  ``value_and_grad(..., backward_prefetch=False)`` every segment hands back that later token
+  (FSDP1's ``BACKWARD_POST``, later still): a re-gather waits for the next segment's whole
+  backward, its gradients reduced, so backward never holds a prefetched unit beside a full
+  gradient; nothing then overlaps the re-gather (docs/benchmarks.md measures both).
 
 Under jshard's own policy the segment's checkpoint runs with ``prevent_cse=False``
 (``remat.keeps_cse_barrier``). ``jax.checkpoint`` otherwise passes every residual through an
@@ -191,7 +195,7 @@ def _evaluator(seg: _Segment, effects: Any) -> Callable[..., list[Any]]:
 
 
 def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any],
-          prev_token: jax.Array | None, last: bool) -> tuple[list[Any], jax.Array]:
+          prev_token: jax.Array | None, last: bool, prefetch: bool = True) -> tuple[list[Any], jax.Array]:
     """Run one segment as a ``custom_vjp`` with the Note's forward and backward dependences.
 
     ``earlier``: the values produced by earlier segments (the activations it depends on).
@@ -201,7 +205,8 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
     and this segment's token. In backward, the token's cotangent is a zero that depends on
     the next segment's incoming cotangents, and the re-gather depends on it, so it runs
     while the next segment's backward computes; the last segment, which has no next, waits
-    for its own cotangents.
+    for its own cotangents. ``prefetch=False``: the token's cotangent waits for this segment's
+    whole backward (its outgoing cotangents, reduced gradients included), as the last's does.
     """
     shard_at = [i for i, v in enumerate(seg.inputs) if v in seg.gathered]
     act_at = [i for i, v in enumerate(seg.inputs) if v in earlier and v not in seg.gathered]
@@ -244,15 +249,16 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
         # The last segment's incoming cotangent is the loss's constant 1: the previous
         # segment's re-gather then waits for this one's backward, or XLA would merge it with
         # the forward gather.
-        return ct_vals, depend(jax.numpy.zeros((), jax.numpy.float32), ct_vals if last else cts)
+        return ct_vals, depend(jax.numpy.zeros((), jax.numpy.float32), ct_vals if last or not prefetch else cts)
 
     segment.defvjp(fwd, bwd)
     token = jax.numpy.zeros((), jax.numpy.float32) if prev_token is None else prev_token
     return segment(list(values), token)
 
 
-def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..., Any]:
-    """``fn`` (whose first ``n_params`` flat arguments are shards) cut at unit boundaries.
+def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefetch: bool = True) -> Callable[..., Any]:
+    """``fn`` (whose first ``n_params`` flat arguments are shards) cut at unit boundaries
+    (``backward_prefetch``: see the Note).
 
     With one segment it is ``jax.checkpoint(fn, policy=policy)`` as before (of the jaxpr
     already traced: ``fn`` runs once, whatever its trace-time side effects), or ``fn`` itself
@@ -277,7 +283,7 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int) -> Callable[..
         token = None
         for k, seg in enumerate(segments):
             outs, token = _call(seg, _evaluator(seg, jaxpr.effects), policy, earlier, [env[v] for v in seg.inputs],
-                                token, last=k == len(segments) - 1)
+                                token, last=k == len(segments) - 1, prefetch=backward_prefetch)
             env.update(zip(seg.outputs, outs, strict=True))
             earlier |= set(seg.outputs)
         flat = [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]

@@ -159,6 +159,7 @@ def value_and_grad(
     requires_gradient_sync: bool = True,
     requires_all_reduce: bool = True,
     remat_policy: Callable[..., Any] | None = None,
+    backward_prefetch: bool = True,
 ) -> Callable[..., Any]:
     """The FSDP training step's loss and gradient, computed in the local view.
 
@@ -189,6 +190,12 @@ def value_and_grad(
         layer of a ``js.scan`` in its backward iteration). Pass it here: a
         ``jax.checkpoint`` inside ``loss_fn`` is overridden by the step's own (JAX applies
         the outermost checkpoint's policy to everything inside it).
+      backward_prefetch: ``True``: in backward, an unrolled unit is re-gathered while the
+        unit after it computes its backward, so the gather can overlap that compute
+        (FSDP's prefetch). ``False``: only once that unit's backward is done and its
+        gradients reduced: backward holds no prefetched unit beside a full gradient, and
+        nothing overlaps the re-gather (FSDP1's ``BACKWARD_POST``; docs/benchmarks.md
+        measures both on XLA:TPU). A ``js.scan`` stack's layers are XLA's loop either way.
 
     Returns:
       ``grad_fn(sharded, batch, *args)``; it works under ``jax.jit``.
@@ -204,6 +211,8 @@ def value_and_grad(
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
+    if not isinstance(backward_prefetch, bool):
+        raise ValueError(f"`backward_prefetch` must be a bool, got {backward_prefetch!r}.")
 
     def grad_fn(sharded: Any, batch: Any, *args: Any):
         units, axes = _check_units(sharded)
@@ -216,7 +225,7 @@ def value_and_grad(
             pregathered=not requires_gradient_sync,
         )
         body = functools.partial(
-            _local_step, loss_fn, step, root_policy.mp_policy, has_aux, unshard_params, microbatches
+            _local_step, loss_fn, step, root_policy.mp_policy, has_aux, unshard_params, microbatches, backward_prefetch
         )
         mesh = units[0][0].meta.mesh
         param_specs = _param_specs(sharded, axes)
@@ -249,7 +258,7 @@ def _split_microbatches(batch: Any, m: int) -> Any:
     return jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
 
 
-def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, params, batch, *args):
+def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, backward_prefetch, params, batch, *args):
     with stepping(step):
         batch = mp.cast_inputs(batch)
 
@@ -263,7 +272,7 @@ def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, params
             loss, aux, full_grads = _accumulate(loss_of, fulls, batch, microbatches)
             grads = _reduce_deferred(params, full_grads, step)
         else:
-            remat = segmented(loss_of, step.remat_policy, len(jax.tree.leaves(params)))
+            remat = segmented(loss_of, step.remat_policy, len(jax.tree.leaves(params)), backward_prefetch)
             loss, aux, grads = _accumulate(remat, params, batch, microbatches,
                                            plain_residuals=step.remat_policy is REMAT_POLICY)
         if step.skip_all_reduce:

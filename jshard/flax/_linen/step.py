@@ -53,6 +53,7 @@ def value_and_grad(
     requires_all_reduce: bool = True,
     units: ModuleUnits | None = None,
     remat_policy: Callable[..., Any] | None = None,
+    backward_prefetch: bool = True,
 ) -> Callable[..., Any]:
     """The FSDP step for Linen models whose modules are wrapped with :func:`fully_shard`.
 
@@ -64,7 +65,7 @@ def value_and_grad(
     for ``TrainState.apply_gradients``. ``units``: the :class:`ModuleUnits` the params were
     sharded with, for models whose code you do not change. ``remat_policy``: activation
     checkpointing, as in :func:`jshard.value_and_grad`. The other arguments are FSDP2's
-    step controls (see :func:`jshard.value_and_grad`).
+    step controls and ``backward_prefetch`` (see :func:`jshard.value_and_grad`).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -100,4 +101,5 @@ def value_and_grad(
         requires_gradient_sync=requires_gradient_sync,
         requires_all_reduce=requires_all_reduce,
         remat_policy=remat_policy,
+        backward_prefetch=backward_prefetch,
     )

@@ -96,6 +96,7 @@ def value_and_grad(
     has_aux: bool = False,
     microbatches: int = 1,
     remat_policy: Callable[..., Any] | None = None,
+    backward_prefetch: bool = True,
 ) -> Callable[..., Any]:
     """The FSDP step's loss and gradient for a sharded NNX module (like ``nnx.value_and_grad``).
 
@@ -117,6 +118,8 @@ def value_and_grad(
       microbatches: gradient accumulation inside the step (see :func:`jshard.value_and_grad`).
       remat_policy: a ``jax.checkpoint`` policy for activations, combined with jshard's
         (see :func:`jshard.value_and_grad`).
+      backward_prefetch: re-gather a unit in backward while the next one computes (``True``)
+        or once its gradients are reduced (see :func:`jshard.value_and_grad`).
 
     Returns:
       ``grad_fn(model, batch, *args)``; use it under ``nnx.jit`` (or ``jax.jit`` with
@@ -162,7 +165,7 @@ def value_and_grad(
             return loss, (aux, new_rest)
 
         core = core_value_and_grad(inner, has_aux=True, unshard_params=False, microbatches=microbatches,
-                                   remat_policy=remat_policy, **flags)
+                                   remat_policy=remat_policy, backward_prefetch=backward_prefetch, **flags)
         (loss, (aux, new_rest)), unit_grads = core(units, batch, rest, *args)
         grads = _with_values(params, param_paths, dict(zip(unit_paths, jax.tree.leaves(unit_grads), strict=True)))
         if keep_rest and jax.tree.leaves(rest):
