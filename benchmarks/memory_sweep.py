@@ -222,23 +222,23 @@ def jshard_step(m: Model, mesh: Mesh, backward_prefetch: bool = True, **policy: 
     return step, (sharded, _batch(m))
 
 
-def variant_step(m: Model, mesh: Mesh, variant: str, **jshard_policy: Any) -> tuple[Any, tuple[Any, ...]]:
-    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments (``jshard_policy``:
-    more ``FullyShardPolicy`` fields for jshard's)."""
+def variant_step(m: Model, mesh: Mesh, variant: str, **jshard_options: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments (``jshard_options``:
+    :func:`jshard_step`'s keyword arguments, for jshard's)."""
     if variant == "jshard":
-        return jshard_step(m, mesh, **jshard_policy)
+        return jshard_step(m, mesh, **jshard_options)
     if variant in ("recipe", "constrained"):
         return recipe_step(m, mesh, constrained=variant == "constrained")
     raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
 
 
-def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS, **jshard_policy: Any) -> dict[str, Any]:
+def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS, **jshard_options: Any) -> dict[str, Any]:
     """Per variant's step (``variants``: which to compile): peak bytes and matmul FLOPs per device, its
     all-gathers (``gathers``) and how many of them are asynchronous with a matmul in flight
     (``gathers_overlapped``); for jshard also ``collective_bytes`` (sent per device per step, by
-    kind) beside ``analytic_bytes`` (the performance model's). ``jshard_policy``: more
-    ``FullyShardPolicy`` fields for jshard's step."""
-    results = {v: _compiled(*variant_step(m, mesh, v, **jshard_policy), jshard=v == "jshard") for v in variants}
+    kind) beside ``analytic_bytes`` (the performance model's). ``jshard_options``:
+    :func:`jshard_step`'s keyword arguments."""
+    results = {v: _compiled(*variant_step(m, mesh, v, **jshard_options), jshard=v == "jshard") for v in variants}
     fields = {"peak_bytes": "peak", "flops": "flops", "gathers": "gathers", "gathers_overlapped": "gathers_overlapped"}
     out: dict[str, Any] = {key: {v: r[field] for v, r in results.items()} for key, field in fields.items()}
     if "jshard" in results:

@@ -129,10 +129,9 @@ def leaf_layout(path: Any, leaf: Any, axes: MeshAxes, policy: FullyShardPolicy, 
         )
     first = 1 if stacked else 0
     _check_model_split(path, leaf, axes, model)
-    if len(shape) <= first or 0 in shape:  # nothing to split (0-d, a per-layer scalar, or empty)
-        return LeafLayout(shape, dtype, None, 0, model=model)
-    if math.prod(shape[first:]) < policy.replicate_below and not any(model):  # kept whole on every device
-        return LeafLayout(shape, dtype, None, 0, model=model)
+    nothing_to_split = len(shape) <= first or 0 in shape  # 0-d, a per-layer scalar, or empty
+    if nothing_to_split or (math.prod(shape[first:]) < policy.replicate_below and not any(model)):
+        return LeafLayout(shape, dtype, None, 0, model=model)  # replicated: kept whole on every device
     dim = policy.shard_placement_fn(path, leaf) if policy.shard_placement_fn else None
     if dim is None:
         dim = default_dim(shape, first, axes.shard_size, frozenset(d for d, names in enumerate(model) if names))

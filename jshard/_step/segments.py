@@ -195,7 +195,7 @@ def _evaluator(seg: _Segment, effects: Any) -> Callable[..., list[Any]]:
 
 
 def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any],
-          prev_token: jax.Array | None, last: bool, prefetch: bool = True) -> tuple[list[Any], jax.Array]:
+          prev_token: jax.Array | None, last: bool, prefetch: bool) -> tuple[list[Any], jax.Array]:
     """Run one segment as a ``custom_vjp`` with the Note's forward and backward dependences.
 
     ``earlier``: the values produced by earlier segments (the activations it depends on).
@@ -256,7 +256,7 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
     return segment(list(values), token)
 
 
-def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefetch: bool = True) -> Callable[..., Any]:
+def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefetch: bool) -> Callable[..., Any]:
     """``fn`` (whose first ``n_params`` flat arguments are shards) cut at unit boundaries
     (``backward_prefetch``: see the Note).
 
