@@ -26,9 +26,10 @@ tanh MLPs (``tanh(h @ w + b)``), GELU MLP blocks (``h + gelu(h @ w1) @ w2``,
 ``results/memory_sweep.json`` (``memory_sweep_<target>.json`` for another target).
 
 From the same compiles it reports, per variant, the step's all-gathers and how many run
-asynchronously with a matmul in flight (``jshard/_report/schedule.py``), and for jshard the
-bytes each device sends per step by collective kind beside the performance model's analytic
-figure (``jshard.report.step_report``'s ``collective_bytes`` and ``analytic``).
+asynchronously with a matmul in flight (``jshard/_report/schedule.py``) and the bytes each
+device sends per step by collective kind (``collective_bytes``; where GSPMD moves activations
+instead of a layer's weights, the recipe's all-to-alls), and for jshard the performance model's
+analytic figure beside them (``jshard.report.step_report``'s ``analytic``).
 
 ``--libtpu-flags async`` compiles under MaxText's async-collective flags
 (:data:`ASYNC_COLLECTIVE_FLAGS`, set as ``LIBTPU_INIT_ARGS`` before libtpu starts: it reads them
@@ -63,6 +64,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E
 import jshard as js  # noqa: E402
 from jshard._report.report import report_compiled  # noqa: E402
 from jshard._report.schedule import gather_schedule  # noqa: E402
+from jshard._report.step_collectives import step_collectives, wire_bytes_by_kind  # noqa: E402
 from jshard.demo import model as T  # noqa: E402
 from jshard.report import CompileTarget, Memory, matmul_flops  # noqa: E402
 
@@ -151,20 +153,20 @@ def _loop(body: Callable[..., Any], h: Any, blocks: list[Any], gather: Callable[
 
 
 def _compiled(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = False) -> dict[str, Any]:
-    """Peak and matmul FLOPs of the compiled step, its all-gathers and, for jshard's (``jshard``), what
-    it sends per device per step against the analytic figure (all from the one compile)."""
+    """Peak and matmul FLOPs of the compiled step, its all-gathers, what it sends per device per step
+    by collective kind and, for jshard's (``jshard``), the analytic figure beside it (all from the one
+    compile)."""
     lowered = step.lower(*args)
     compiled = lowered.compile()
     text = compiled.as_text()
     gathers = gather_schedule(text)
-    out = {"peak": Memory.from_compiled(compiled).peak, "flops": matmul_flops(text), "gathers": len(gathers),
-           "gathers_overlapped": sum(g.matmuls_overlapped > 0 for g in gathers)}
+    out = {"peak_bytes": Memory.from_compiled(compiled).peak, "flops": matmul_flops(text), "gathers": len(gathers),
+           "gathers_overlapped": sum(g.matmuls_overlapped > 0 for g in gathers),
+           "collective_bytes": wire_bytes_by_kind(step_collectives(text, lowered.as_text()))}
     if jshard:
-        report = report_compiled(compiled, lowered.as_text(), args, compiled_text=text)
-        out["collective_bytes"] = report.collective_bytes
-        out["analytic_bytes"] = {"all-gather": report.analytic.all_gather,
-                                 "reduce-scatter": report.analytic.reduce_scatter,
-                                 "all-reduce": report.analytic.all_reduce}
+        analytic = report_compiled(compiled, lowered.as_text(), args, compiled_text=text).analytic
+        out["analytic_bytes"] = {"all-gather": analytic.all_gather, "reduce-scatter": analytic.reduce_scatter,
+                                 "all-reduce": analytic.all_reduce}
     return out
 
 
@@ -235,14 +237,15 @@ def variant_step(m: Model, mesh: Mesh, variant: str, **jshard_options: Any) -> t
 def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS, **jshard_options: Any) -> dict[str, Any]:
     """Per variant's step (``variants``: which to compile): peak bytes and matmul FLOPs per device, its
     all-gathers (``gathers``) and how many of them are asynchronous with a matmul in flight
-    (``gathers_overlapped``); for jshard also ``collective_bytes`` (sent per device per step, by
-    kind) beside ``analytic_bytes`` (the performance model's). ``jshard_options``:
+    (``gathers_overlapped``), what it sends per device per step by collective kind
+    (``collective_bytes``: a recipe's all-to-alls are GSPMD moving activations instead of weights),
+    and jshard's ``analytic_bytes`` (the performance model's). ``jshard_options``:
     :func:`jshard_step`'s keyword arguments."""
     results = {v: _compiled(*variant_step(m, mesh, v, **jshard_options), jshard=v == "jshard") for v in variants}
-    fields = {"peak_bytes": "peak", "flops": "flops", "gathers": "gathers", "gathers_overlapped": "gathers_overlapped"}
-    out: dict[str, Any] = {key: {v: r[field] for v, r in results.items()} for key, field in fields.items()}
+    fields = ("peak_bytes", "flops", "gathers", "gathers_overlapped", "collective_bytes")
+    out: dict[str, Any] = {key: {v: r[key] for v, r in results.items()} for key in fields}
     if "jshard" in results:
-        out.update({k: results["jshard"][k] for k in ("collective_bytes", "analytic_bytes")})
+        out["analytic_bytes"] = results["jshard"]["analytic_bytes"]
     return out
 
 
@@ -285,8 +288,35 @@ def compile_target(args: argparse.Namespace) -> tuple[CompileTarget, str]:
     return target, said
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The sweep's last line: the worst ratio of jshard's peak to the best recipe's, how many models
+    are above it (at two decimals), and in how many of those the best recipe moves activations
+    (sends all-to-alls: GSPMD computing a weight's gradient from gathered activations).
+
+    Example:
+      >>> row = {"peak_bytes": {"recipe": 2.0, "constrained": 4.0, "jshard": 3.0},
+      ...        "collective_bytes": {"recipe": {"all-to-all": 1.0}, "constrained": {"all-to-all": 0.0}}}
+      >>> summary([row])
+      'worst jshard / best recipe peak: 1.500 over 1 models; above it: 1, where the best recipe moves activations: 1'
+    """
+    def best(r: dict[str, Any]) -> str:
+        return min(("recipe", "constrained"), key=lambda v: r["peak_bytes"][v])
+
+    def ratio(r: dict[str, Any]) -> float:
+        return r["peak_bytes"]["jshard"] / r["peak_bytes"][best(r)]
+
+    above = [r for r in rows if round(ratio(r), 2) > 1]
+    routed = sum(r["collective_bytes"][best(r)].get("all-to-all", 0.0) > 0 for r in above)
+    return (f"worst jshard / best recipe peak: {max(map(ratio, rows)):.3f} over {len(rows)} models; "
+            f"above it: {len(above)}, where the best recipe moves activations: {routed}")
+
+
 def _sent(by_kind: dict[str, float]) -> str:
     return " / ".join(f"{by_kind.get(k, 0.0) / 2**20:.2f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
+
+
+def _all_to_all(result: dict[str, Any], variant: str) -> str:
+    return f"{result['collective_bytes'][variant].get('all-to-all', 0.0) / 2**20:.2f}"
 
 
 def _overlapped(result: dict[str, Any], variant: str) -> str:
@@ -311,8 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     print(said)
     print("| model | recipe MiB | constrained MiB | jshard MiB | peak / best recipe | FLOPs / recipe | "
-          "jshard sends MiB (AG / RS / AR) | analytic | gathers overlapped: jshard (recipes) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "jshard sends MiB (AG / RS / AR) | analytic | recipes' all-to-all MiB | "
+          "gathers overlapped: jshard (recipes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
         result = measure(m, mesh, replicate_below=args.replicate_below,
                          backward_prefetch=not args.no_backward_prefetch)
@@ -322,12 +353,11 @@ def main(argv: list[str] | None = None) -> None:
                                                            result["peak_bytes"]["constrained"])
         flops_ratio = result["flops"]["jshard"] / max(result["flops"]["recipe"], 1.0)
         print(f"| {m.name} | {mib['recipe']:.2f} | {mib['constrained']:.2f} | {mib['jshard']:.2f} | "
-              f"{peak_ratio:.2f} | {flops_ratio:.2f} | {_sent(result['collective_bytes'])} | "
-              f"{_sent(result['analytic_bytes'])} | {_overlapped(result, 'jshard')} "
+              f"{peak_ratio:.2f} | {flops_ratio:.2f} | {_sent(result['collective_bytes']['jshard'])} | "
+              f"{_sent(result['analytic_bytes'])} | {_all_to_all(result, 'recipe')} / "
+              f"{_all_to_all(result, 'constrained')} | {_overlapped(result, 'jshard')} "
               f"({_overlapped(result, 'recipe')}, {_overlapped(result, 'constrained')}) |", flush=True)
-    worst = max(r["peak_bytes"]["jshard"] / min(r["peak_bytes"]["recipe"], r["peak_bytes"]["constrained"])
-                for r in rows)
-    print(f"worst jshard / best recipe peak: {worst:.3f} over {len(rows)} models")
+    print(summary(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     name = "memory_sweep" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}"
     name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"

@@ -50,13 +50,29 @@ def test_quick_memory_sweep(tmp_path):
     for m in models:
         assert set(m["peak_bytes"]) == set(m["flops"]) == {"recipe", "constrained", "jshard"}, m["name"]
         assert 0 < m["flops"]["jshard"] <= m["flops"]["recipe"], m["name"]  # recompute once: no more than the recipe
-        sent, model = m["collective_bytes"], m["analytic_bytes"]  # at the analytic figure, or below where XLA
+        assert set(m["collective_bytes"]) == {"recipe", "constrained", "jshard"}, m["name"]
+        sent, model = m["collective_bytes"]["jshard"], m["analytic_bytes"]  # at the analytic figure, or below where XLA
         assert 0 < sent["reduce-scatter"] == pytest.approx(model["reduce-scatter"]), m["name"]  # merges a re-gather
         assert 0 < sent["all-gather"] <= model["all-gather"], m["name"]
         assert model["all-reduce"] == 0 and sent["all-reduce"] == 2 * 4 * 7 / 8, m["name"]  # the loss, one f32
         assert m["gathers"]["jshard"] > 0 and m["gathers_overlapped"]["jshard"] == 0  # XLA:CPU: synchronous
     unrolled = next(m for m in models if not m["stacked"])["peak_bytes"]
     assert unrolled["jshard"] <= min(unrolled["recipe"], unrolled["constrained"])  # one layer gathered at a time
+    from benchmarks import memory_sweep
+
+    assert memory_sweep.summary(models) in done.stdout
+
+
+def test_sweep_summary_counts_rows_above_the_recipe_and_the_recipes_moving_activations():
+    from benchmarks import memory_sweep
+
+    def row(recipe, constrained, jshard, recipe_all_to_all):
+        return {"peak_bytes": {"recipe": recipe, "constrained": constrained, "jshard": jshard},
+                "collective_bytes": {"recipe": {"all-to-all": recipe_all_to_all}, "constrained": {"all-to-all": 0.0}}}
+
+    rows = [row(2.0, 4.0, 3.0, 1.0), row(4.0, 2.0, 2.5, 1.0), row(2.0, 2.5, 2.0, 1.0), row(2.0, 3.0, 2.01, 0.0)]
+    assert memory_sweep.summary(rows) == ("worst jshard / best recipe peak: 1.500 over 4 models; above it: 2, "
+                                          "where the best recipe moves activations: 1")
 
 
 def test_accelerator_benchmark_dry_run_on_cpu(capsys):

@@ -186,6 +186,28 @@ def test_a_stacked_layer_of_one_large_leaf_keeps_the_in_place_all_reduce_on_v5p(
     assert recipe["jshard"] <= 1.01 * recipe["recipe"]
 
 
+def test_the_plain_recipe_moves_activations_instead_of_weights_at_few_tokens_on_v5p():
+    """docs/benchmarks.md "Where jshard stays above the recipe": the sweep's four unrolled 512-wide
+    tanh layers, 8 rows per device, activations kept. GSPMD does not do FSDP in the plain recipe's
+    backward: it gathers the batch's activations (all-gathers, all-to-alls of cotangents) and
+    computes each device's rows of a weight gradient there, so only the last layer's gradient is
+    all-reduced (beside the loss's scalars); the others' never exist whole. The constrained recipe,
+    activations pinned to batch sharding, all-reduces all four; jshard reduce-scatters all four
+    and holds less than it (3.02 against 5.67 MiB; the plain recipe 2.83)."""
+    from benchmarks import memory_sweep
+
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    model = memory_sweep.Model("tanh", False, 4, 512, 64, remat=False)
+    result = memory_sweep.measure(model, mesh, replicate_below=4096)
+    sent, peak = result["collective_bytes"], result["peak_bytes"]
+    ring = 512 * 512 * 4 * 2 * 7 / 8  # one layer's f32 gradient all-reduced over 8 devices
+    assert sent["recipe"]["all-to-all"] > 0 and sent["recipe"]["reduce-scatter"] == 0
+    assert ring <= sent["recipe"]["all-reduce"] < 1.1 * ring
+    assert sent["constrained"]["all-to-all"] == 0 and 4 * ring <= sent["constrained"]["all-reduce"] < 4.1 * ring
+    assert sent["jshard"]["all-to-all"] == 0 and sent["jshard"]["reduce-scatter"] == 4 * ring / 2
+    assert peak["recipe"] < peak["jshard"] < 0.6 * peak["constrained"]
+
+
 def test_vectors_kept_whole_bring_an_unrolled_transformer_under_the_recipe_on_v5p():
     """``replicate_below`` (docs/benchmarks.md "Small leaves kept whole"): the sweep's transformer,
     4 unrolled 128-wide blocks, batch 16, activations kept: with every leaf sharded jshard's peak
