@@ -64,9 +64,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E
 import jshard as js  # noqa: E402
 from jshard._report.report import report_compiled  # noqa: E402
 from jshard._report.schedule import gather_schedule  # noqa: E402
-from jshard._report.step_collectives import step_collectives, wire_bytes_by_kind  # noqa: E402
 from jshard.demo import model as T  # noqa: E402
-from jshard.report import CompileTarget, Memory, matmul_flops  # noqa: E402
+from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives, wire_bytes_by_kind  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("recipe", "constrained", "jshard")
