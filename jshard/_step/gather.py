@@ -173,10 +173,14 @@ def _across_groups(comm: LeafComm) -> list[list[int]]:
 def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | int) -> jax.Array:
     """Gather one leaf for compute, tagged for the remat policy (see the Note above).
 
-    The shard is named :data:`GATHER_START` first: the step cuts unrolled code into
-    segments there (see [Note: unrolled units] in ``segments.py``).
+    A shard that is gathered is named :data:`GATHER_START` first: the step cuts unrolled code
+    into segments there and orders it after the previous unit (see [Note: unrolled units] in
+    ``segments.py``). A leaf kept whole (``replicate_below``, nothing to split) is not: nothing is
+    gathered, and ordering it too made XLA:TPU run every other forward gather synchronously
+    (docs/benchmarks.md, "What jshard sends, and when its gathers run").
     """
-    shard = checkpoint_name(shard, GATHER_START)
+    if comm.layout.sharded:
+        shard = checkpoint_name(shard, GATHER_START)
     if not is_floating(comm.layout.dtype):
         return jax.lax.stop_gradient(_gather_cast(comm, shard))
     raf = reshard_after_forward

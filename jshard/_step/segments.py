@@ -11,8 +11,9 @@ in a Python loop kept 8.0 MiB of temporaries, one whole unit more per layer.
 
 The step therefore traces the loss to a jaxpr and cuts its top-level equations into
 **segments**: a new segment starts at a gather (a ``checkpoint_name``
-:data:`GATHER_START` on a shard, emitted by ``gather.gather_leaf``) that follows compute
-(an equation reading something other than parameters). Each segment runs as a
+:data:`GATHER_START` on a shard, emitted by ``gather.gather_leaf`` for the shards it gathers;
+a leaf kept whole is neither a cut nor ordered below) that follows compute (an equation
+reading something other than parameters). Each segment runs as a
 ``custom_vjp`` whose data dependences order the program on every backend:
 
 - forward: each segment hands the next a *token*, a zero ``depend``-ed on the
