@@ -51,8 +51,9 @@ temporaries' allocation, whose packing varies with the program (25.9 MiB at 4 la
 at 8, 55.0 at 16; with the barrier 50.8, 52.3, 52.3). These figures were measured while the
 last segment was checkpointed. Under a ``remat_policy`` the barrier
 stays, as in ``jax.checkpoint(layer)`` in the hand-written step: it keeps a recomputed layer
-apart from its forward (without it the sweep's 12 unrolled recomputed models on v5p peak higher
-in 21 of 24 compiles, with and without the async flags: tanh 8x1536 fp32 44.96 -> 53.90 MiB).
+apart from its forward (without it the sweep's 12 unrolled recomputed models on v5p peaked higher
+in 21 of 24 compiles, with and without the async flags, measured while whole leaves still waited
+for the previous unit: tanh 8x1536 fp32 44.96 -> 53.90 MiB).
 
 ``depend(x, sources)`` (``remat.py``) adds a zero read from one element of each source:
 ``e * 0`` where ``e`` is finite, else 0. It is exactly zero, never NaN, and XLA cannot
