@@ -156,14 +156,15 @@ def _compiled(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = Fa
     by collective kind and, for jshard's (``jshard``), the analytic figure beside it (all from the one
     compile)."""
     lowered = step.lower(*args)
+    lowered_text = lowered.as_text()
     compiled = lowered.compile()
     text = compiled.as_text()
     gathers = gather_schedule(text)
     out = {"peak_bytes": Memory.from_compiled(compiled).peak, "flops": matmul_flops(text), "gathers": len(gathers),
            "gathers_overlapped": sum(g.matmuls_overlapped > 0 for g in gathers),
-           "collective_bytes": wire_bytes_by_kind(step_collectives(text, lowered.as_text()))}
+           "collective_bytes": wire_bytes_by_kind(step_collectives(text, lowered_text))}
     if jshard:
-        analytic = report_compiled(compiled, lowered.as_text(), args, compiled_text=text).analytic
+        analytic = report_compiled(compiled, lowered_text, args, compiled_text=text).analytic
         out["analytic_bytes"] = {"all-gather": analytic.all_gather, "reduce-scatter": analytic.reduce_scatter,
                                  "all-reduce": analytic.all_reduce}
     return out
@@ -298,16 +299,20 @@ def summary(rows: list[dict[str, Any]]) -> str:
       >>> summary([row])
       'worst jshard / best recipe peak: 1.500 over 1 models; above it: 1, where the best recipe moves activations: 1'
     """
-    def best(r: dict[str, Any]) -> str:
-        return min(("recipe", "constrained"), key=lambda v: r["peak_bytes"][v])
-
-    def ratio(r: dict[str, Any]) -> float:
-        return r["peak_bytes"]["jshard"] / r["peak_bytes"][best(r)]
-
-    above = [r for r in rows if round(ratio(r), 2) > 1]
-    routed = sum(r["collective_bytes"][best(r)].get("all-to-all", 0.0) > 0 for r in above)
-    return (f"worst jshard / best recipe peak: {max(map(ratio, rows)):.3f} over {len(rows)} models; "
+    above = [r for r in rows if round(_peak_ratio(r), 2) > 1]
+    routed = sum(r["collective_bytes"][_best_recipe(r)].get("all-to-all", 0.0) > 0 for r in above)
+    return (f"worst jshard / best recipe peak: {max(map(_peak_ratio, rows)):.3f} over {len(rows)} models; "
             f"above it: {len(above)}, where the best recipe moves activations: {routed}")
+
+
+def _best_recipe(result: dict[str, Any]) -> str:
+    """The recipe variant with the lower peak."""
+    return min(("recipe", "constrained"), key=lambda v: result["peak_bytes"][v])
+
+
+def _peak_ratio(result: dict[str, Any]) -> float:
+    """jshard's peak over the best recipe's."""
+    return result["peak_bytes"]["jshard"] / result["peak_bytes"][_best_recipe(result)]
 
 
 def _sent(by_kind: dict[str, float]) -> str:
@@ -348,11 +353,9 @@ def main(argv: list[str] | None = None) -> None:
                          backward_prefetch=not args.no_backward_prefetch)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})
         mib = {k: v / 2**20 for k, v in result["peak_bytes"].items()}
-        peak_ratio = result["peak_bytes"]["jshard"] / min(result["peak_bytes"]["recipe"],
-                                                           result["peak_bytes"]["constrained"])
         flops_ratio = result["flops"]["jshard"] / max(result["flops"]["recipe"], 1.0)
         print(f"| {m.name} | {mib['recipe']:.2f} | {mib['constrained']:.2f} | {mib['jshard']:.2f} | "
-              f"{peak_ratio:.2f} | {flops_ratio:.2f} | {_sent(result['collective_bytes']['jshard'])} | "
+              f"{_peak_ratio(result):.2f} | {flops_ratio:.2f} | {_sent(result['collective_bytes']['jshard'])} | "
               f"{_sent(result['analytic_bytes'])} | {_all_to_all(result, 'recipe')} / "
               f"{_all_to_all(result, 'constrained')} | {_overlapped(result, 'jshard')} "
               f"({_overlapped(result, 'recipe')}, {_overlapped(result, 'constrained')}) |", flush=True)

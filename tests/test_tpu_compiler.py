@@ -193,7 +193,7 @@ def test_the_plain_recipe_moves_activations_instead_of_weights_at_few_tokens_on_
     computes each device's rows of a weight gradient there, so only the last layer's gradient is
     all-reduced (beside the loss's scalars); the others' never exist whole. The constrained recipe,
     activations pinned to batch sharding, all-reduces all four; jshard reduce-scatters all four
-    and holds less than it (3.02 against 5.67 MiB; the plain recipe 2.83)."""
+    and holds less than it (2.96 against 5.67 MiB; the plain recipe 2.83)."""
     from benchmarks import memory_sweep
 
     mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
