@@ -37,7 +37,10 @@ once per process) and writes ``memory_sweep_<target>_async.json``. ``--replicate
 compiles jshard's steps with ``FullyShardPolicy(replicate_below=N)`` (leaves under ``N``
 elements kept whole on every device) and adds ``_replicate_below_N`` to the file's name;
 ``--no-backward-prefetch`` compiles them with ``value_and_grad(backward_prefetch=False)``
-(``_no_backward_prefetch``).
+(``_no_backward_prefetch``). ``--apply-sgd`` compiles every variant's step as a training step
+that applies its gradients (plain SGD, the parameters donated and returned updated; ``_sgd``):
+there the parameters live until the update, where the gradient-only step may use their donated
+buffers as scratch once it has read them.
 """
 
 from __future__ import annotations
@@ -150,6 +153,18 @@ def _loop(body: Callable[..., Any], h: Any, blocks: list[Any], gather: Callable[
 
 # ----------------------------------------------------------------- the steps
 
+LEARNING_RATE = 0.01
+
+
+def _applying_sgd(value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
+    """A step that returns the loss and the parameters updated by plain SGD instead of the gradients."""
+
+    def step(params, batch):
+        loss, grads = value_and_grad(params, batch)
+        return loss, jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
+
+    return step
+
 
 def _compiled(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = False) -> dict[str, Any]:
     """Peak and matmul FLOPs of the compiled step, its all-gathers, what it sends per device per step
@@ -170,8 +185,9 @@ def _compiled(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = Fa
     return out
 
 
-def recipe_step(m: Model, mesh: Mesh, constrained: bool) -> tuple[Any, tuple[Any, ...]]:
-    """A recipe's step for ``m`` (``constrained``: with the batch-sharding constraints) and its abstract arguments."""
+def recipe_step(m: Model, mesh: Mesh, constrained: bool, apply_sgd: bool = False) -> tuple[Any, tuple[Any, ...]]:
+    """A recipe's step for ``m`` (``constrained``: with the batch-sharding constraints; ``apply_sgd``:
+    returning the updated parameters) and its abstract arguments."""
     params = _params(m)
 
     def spec(path, x):
@@ -192,14 +208,17 @@ def recipe_step(m: Model, mesh: Mesh, constrained: bool) -> tuple[Any, tuple[Any
             p = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
         return _loss(m, run, p, b, "checkpoint" if m.remat else "none")
 
-    step = jax.jit(jax.value_and_grad(loss), in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("fsdp"))),
+    grad_step = jax.value_and_grad(loss)
+    step = jax.jit(_applying_sgd(grad_step) if apply_sgd else grad_step,
+                   in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("fsdp"))),
                    out_shardings=(NamedSharding(mesh, PartitionSpec()), shardings), donate_argnums=0)
     return step, (params, _batch(m))
 
 
-def jshard_step(m: Model, mesh: Mesh, backward_prefetch: bool = True, **policy: Any) -> tuple[Any, tuple[Any, ...]]:
+def jshard_step(m: Model, mesh: Mesh, backward_prefetch: bool = True, apply_sgd: bool = False,
+                **policy: Any) -> tuple[Any, tuple[Any, ...]]:
     """jshard's step for ``m`` and its abstract arguments; ``policy``: more ``FullyShardPolicy`` fields;
-    ``backward_prefetch``: :func:`jshard.value_and_grad`'s."""
+    ``backward_prefetch``: :func:`jshard.value_and_grad`'s; ``apply_sgd``: returning the updated parameters."""
     params = _params(m)
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if m.bf16 else \
         js.MixedPrecisionPolicy()
@@ -219,18 +238,21 @@ def jshard_step(m: Model, mesh: Mesh, backward_prefetch: bool = True, **policy: 
         return _loss(m, run, js.unshard(p), b, "none")
 
     remat = jax.checkpoint_policies.nothing_saveable if m.remat else None
-    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False, remat_policy=remat,
-                                     backward_prefetch=backward_prefetch), donate_argnums=0)
+    grad_step = js.value_and_grad(loss_fn, unshard_params=False, remat_policy=remat,
+                                  backward_prefetch=backward_prefetch)
+    step = jax.jit(_applying_sgd(grad_step) if apply_sgd else grad_step, donate_argnums=0)
     return step, (sharded, _batch(m))
 
 
-def variant_step(m: Model, mesh: Mesh, variant: str, **jshard_options: Any) -> tuple[Any, tuple[Any, ...]]:
-    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments (``jshard_options``:
-    :func:`jshard_step`'s keyword arguments, for jshard's)."""
+def variant_step(m: Model, mesh: Mesh, variant: str, apply_sgd: bool = False,
+                 **jshard_options: Any) -> tuple[Any, tuple[Any, ...]]:
+    """The step of one of :data:`VARIANTS` for ``m`` and its abstract arguments (``apply_sgd``: a
+    training step returning the updated parameters; ``jshard_options``: :func:`jshard_step`'s keyword
+    arguments, for jshard's)."""
     if variant == "jshard":
-        return jshard_step(m, mesh, **jshard_options)
+        return jshard_step(m, mesh, apply_sgd=apply_sgd, **jshard_options)
     if variant in ("recipe", "constrained"):
-        return recipe_step(m, mesh, constrained=variant == "constrained")
+        return recipe_step(m, mesh, constrained=variant == "constrained", apply_sgd=apply_sgd)
     raise ValueError(f"Unknown variant {variant!r}; choose one of {VARIANTS}.")
 
 
@@ -240,7 +262,7 @@ def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS, **jshard
     (``gathers_overlapped``), what it sends per device per step by collective kind
     (``collective_bytes``: a recipe's all-to-alls are GSPMD moving activations instead of weights),
     and jshard's ``analytic_bytes`` (the performance model's). ``jshard_options``:
-    :func:`jshard_step`'s keyword arguments."""
+    :func:`variant_step`'s keyword arguments (``apply_sgd``, and :func:`jshard_step`'s)."""
     results = {v: _compiled(*variant_step(m, mesh, v, **jshard_options), jshard=v == "jshard") for v in variants}
     fields = ("peak_bytes", "flops", "gathers", "gathers_overlapped", "collective_bytes")
     out: dict[str, Any] = {key: {v: r[key] for v, r in results.items()} for key in fields}
@@ -336,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="jshard's FullyShardPolicy(replicate_below=N): leaves under N elements kept whole")
     parser.add_argument("--no-backward-prefetch", action="store_true",
                         help="jshard's value_and_grad(backward_prefetch=False)")
+    parser.add_argument("--apply-sgd", action="store_true",
+                        help="compile training steps that apply the gradients (plain SGD) instead of returning them")
     parser.add_argument("--merge", action="store_true",
                         help="keep the stored rows of the models not run (with --only: a sweep in parts)")
     add_compile_arguments(parser)
@@ -350,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
         result = measure(m, mesh, replicate_below=args.replicate_below,
-                         backward_prefetch=not args.no_backward_prefetch)
+                         backward_prefetch=not args.no_backward_prefetch, apply_sgd=args.apply_sgd)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})
         mib = {k: v / 2**20 for k, v in result["peak_bytes"].items()}
         flops_ratio = result["flops"]["jshard"] / max(result["flops"]["recipe"], 1.0)
@@ -365,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"
     name += f"_replicate_below_{args.replicate_below}" if args.replicate_below else ""
     name += "_no_backward_prefetch" if args.no_backward_prefetch else ""
+    name += "_sgd" if args.apply_sgd else ""
     path = args.out / f"{name}.json"
     if args.merge and path.exists():
         run = {r["name"] for r in rows}
@@ -376,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         result["replicate_below"] = args.replicate_below
     if args.no_backward_prefetch:
         result["backward_prefetch"] = False
+    if args.apply_sgd:
+        result["apply_sgd"] = True
     if args.libtpu_flags != "none":
         result["libtpu_init_args"] = os.environ["LIBTPU_INIT_ARGS"]
     path.write_text(json.dumps(result, indent=1))

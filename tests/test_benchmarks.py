@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -137,3 +138,29 @@ def test_quick_gather_options(tmp_path):
     assert len({r["flops"] for r in options.values()}) == 1 and options["leaf"]["flops"] > 0
     assert options["float8"]["gather_dtypes"] == ["uint8"]
     assert 2 * options["unit"]["ops"]["all-gather"] == options["leaf"]["ops"]["all-gather"]
+
+
+def test_sweep_training_steps_apply_sgd_alike_in_every_variant():
+    from benchmarks import memory_sweep
+    from jshard.report import CompileTarget
+
+    model = memory_sweep.Model("tanh", False, 2, 64, 16, remat=False)
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("cpu:8"))
+    rng = np.random.default_rng(0)
+    _, (abstract, batch) = memory_sweep.variant_step(model, mesh, "recipe")
+    values = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / 8, abstract)
+    x = rng.standard_normal(batch.shape, np.float32)
+
+    def run(variant, apply_sgd):
+        step, (params, _) = memory_sweep.variant_step(model, mesh, variant, apply_sgd=apply_sgd)
+        concrete = jax.tree.map(lambda a, v: jax.device_put(v, a.sharding) if getattr(a, "sharding", None) else v,
+                                params, jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(values)))
+        return jax.tree.leaves(step(concrete, x)[1])
+
+    grads = run("recipe", apply_sgd=False)
+    want = [v - memory_sweep.LEARNING_RATE * g for v, g in zip(jax.tree.leaves(values), grads, strict=True)]
+    for variant in memory_sweep.VARIANTS:
+        got = run(variant, apply_sgd=True)
+        for g, w, v in zip(got, want, jax.tree.leaves(values), strict=True):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6, err_msg=variant)
+            assert not np.allclose(np.asarray(g), v), variant  # the parameters moved
