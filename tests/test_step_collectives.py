@@ -207,3 +207,76 @@ ENTRY %main (x: bf16[192,1536]) -> bf16[1536,1536] {
 """
     gathers = hlo_collectives(hlo)
     assert [(c.kind, c.shapes) for c in gathers] == [("all-gather", ((1536, 1536),))] * 2
+
+
+def _loop_operand_dtypes(step, *args, shape):
+    """The dtypes of every ``scan`` operand and result of ``shape`` in the step's jaxpr (nested ones too)."""
+    found = set()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                found.update(v.aval.dtype.name for v in (*eqn.invars, *eqn.outvars)
+                             if getattr(v.aval, "shape", None) == shape)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        visit(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(step)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("tpu, reduce_dtype, loop_dtypes", [(True, None, {"bfloat16"}),
+                                                            (True, jnp.float32, {"float32"}),
+                                                            (False, None, {"float32"})],
+                         ids=["tpu-bf16-all", "tpu-f32-reduce", "cpu-bf16-all"])
+def test_a_stack_reduced_in_param_dtype_enters_and_leaves_its_loop_in_it_on_tpu(monkeypatch, tpu, reduce_dtype,
+                                                                                 loop_dtypes):
+    """[Note: stacks cast before the loop]: on TPU (the rule forced on these CPU devices), with
+    gradients reduced in ``param_dtype`` the weight's shard stack (per device ``(L, W / 8, W)``)
+    goes into the forward loop in bfloat16 and the backward loop stacks its gradients in
+    bfloat16; reduced in float32, both stay float32, and so does every stack on XLA:CPU."""
+    import jshard._step.unit_gather as unit_gather
+
+    if tpu:
+        monkeypatch.setattr(unit_gather, "_compiler_holds_cast_stacks", lambda axes: True)
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype)
+    sharded = js.fully_shard({"w": jnp.ones((L, W, W)) * 0.1}, policy=js.FullyShardPolicy(scan_axis=0, mp_policy=mp))
+
+    def stack_loss(p, x):
+        h, _ = js.scan(lambda h, layer: (jnp.tanh(h @ layer["w"]), None), x, p)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    step = js.value_and_grad(stack_loss, unshard_params=False)
+    assert _loop_operand_dtypes(step, sharded, jnp.ones((32, W)), shape=(L, W // 8, W)) == loop_dtypes
+    assert step(sharded, jnp.ones((32, W)))[1]["w"].dtype == jnp.float32  # returned in the leaf's dtype
+
+
+@pytest.mark.parametrize("policy", [{}, {"unit_collectives": True}, {"reshard_after_forward": 2}],
+                         ids=["per-leaf", "unit-collectives", "group-copies"])
+def test_a_stack_cast_before_its_loop_trains_bit_for_bit_as_one_cast_in_it(monkeypatch, policy):
+    """The cast moved out of the loop (the TPU rule, forced on these CPU devices) changes no
+    value: the test model (a stack of (7, 7) layers and a root) trained bf16 throughout, with
+    and without it."""
+    from model import train_sharded
+
+    import jshard._step.scan as scan_module
+    import jshard._step.unit_gather as unit_gather
+
+    monkeypatch.setattr(unit_gather, "_compiler_holds_cast_stacks", lambda axes: True)
+
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16)
+    mesh = js.make_mesh()
+    runs = []
+    for cast in (scan_module.cast_for_loop, lambda meta, entries, step: list(entries)):
+        monkeypatch.setattr(scan_module, "cast_for_loop", cast)
+        sharded = shard(init_params(), mesh, js.FullyShardPolicy(mp_policy=mp, **policy))
+        losses, params, grads, _ = train_sharded(sharded, batches(3))
+        runs.append((losses, jax.tree.leaves(params), jax.tree.leaves(grads)))
+    (losses, params, grads), (losses_in, params_in, grads_in) = runs
+    assert losses == losses_in
+    for a, b in zip(params + grads, params_in + grads_in, strict=True):
+        assert a.dtype == b.dtype and bool((a == b).all())

@@ -39,6 +39,7 @@ class LeafComm:
     skip_all_reduce: bool = False
     in_loop: bool = False  # one layer of a stack in a loop body, which orders its gathers itself
     scatter_phases: tuple[int, ...] = ()  # the reduce-scatter's torus phases ([Note: torus phases])
+    shard_dtype: np.dtype | None = None  # the shard's, where not the leaf's (a stack cast before its loop)
 
     @property
     def param_dtype(self) -> np.dtype:
@@ -51,6 +52,11 @@ class LeafComm:
     @property
     def reduce_dtype(self) -> np.dtype:
         return self.policy.mp_policy.gradient_dtype(self.layout.dtype)
+
+    @property
+    def gradient_dtype(self) -> np.dtype:
+        """The dtype the reduced gradient is returned in: the shard's."""
+        return np.dtype(self.shard_dtype or self.layout.dtype)
 
 
 def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
@@ -78,7 +84,7 @@ def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
     """The gradient of a gathered leaf, reduced to this device's shard.
 
     Cast to ``reduce_dtype``, reduce-scatter over the shard axes (all-reduce for a
-    replicated leaf), all-reduce over replicate axes, divide, cast to the shard dtype.
+    replicated leaf), all-reduce over replicate axes, divide, cast to the shard's dtype.
     """
     g = g.astype(comm.reduce_dtype)
     g = model_manual(comm.layout, comm.axes, lambda v: _reduce(comm, v), gathered_in=True, gathered_out=False)(g)
@@ -102,7 +108,7 @@ def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
         g = C.all_reduce(g, comm.axes.shard)
     if not comm.skip_all_reduce:
         g = (policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
-    return (g / post).astype(layout.dtype)
+    return (g / post).astype(comm.gradient_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -197,19 +203,20 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
 
 def leaf_comm(
     layout: LeafLayout, axes: MeshAxes, policy: FullyShardPolicy, step: StepState, in_loop: bool = False,
-    phased: bool = True, layer: bool = False,
+    phased: bool = True, layer: bool = False, shard_dtype: np.dtype | None = None,
 ) -> LeafComm:
     """The leaf as the step sees it ([Note: step axes]), divided by the step's whole batch split;
     ``phased``: reduce in the mesh's torus phases, where it has them ([Note: torus phases]);
     ``layer``: one layer's slice of the stacked leaf, viewed before the layer axis is sliced off
     (a pipeline stage's layers arrive split over ``stage`` on that axis, which is then no
-    replicate axis of theirs)."""
+    replicate axis of theirs); ``shard_dtype``: the shard's dtype where it is not the leaf's."""
     layout, axes = leaf_view(layout, axes, step.axes)
     if layer:
         layout = layer_layout(layout)
     factor = policy.gradient_divide_factor or step.axes.data_parallel_size
     phases = axes.scatter_phases if phased else ()
-    return LeafComm(layout, axes, policy, float(factor), step.skip_all_reduce, in_loop, phases)
+    shard_dtype = None if shard_dtype is None or np.dtype(shard_dtype) == layout.dtype else np.dtype(shard_dtype)
+    return LeafComm(layout, axes, policy, float(factor), step.skip_all_reduce, in_loop, phases, shard_dtype)
 
 
 def layer_layout(layout: LeafLayout) -> LeafLayout:

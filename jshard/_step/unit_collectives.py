@@ -86,7 +86,7 @@ def _reduce(comms: Sequence[LeafComm], grads: Sequence[jax.Array]) -> list[jax.A
         shape = c.layout.padded_shape
         shard = mine[offset : offset + a * r * b].reshape(shape[: c.layout.dim] + (r,) + shape[c.layout.dim + 1 :])
         offset += a * r * b
-        out.append(to_host(shard.astype(c.layout.dtype), c.offloaded))
+        out.append(to_host(shard.astype(c.gradient_dtype), c.offloaded))
     return out
 
 
