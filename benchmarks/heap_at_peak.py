@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--replicate-below", type=int, default=0,
                         help="jshard's FullyShardPolicy(replicate_below=N), as in benchmarks.memory_sweep")
+    parser.add_argument("--apply-sgd", action="store_true",
+                        help="the training step (gradients applied by plain SGD), as in benchmarks.memory_sweep")
     from benchmarks import memory_sweep as ms  # starts JAX (8 CPU devices where no accelerator is given)
 
     ms.add_compile_arguments(parser)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
             directory = pathlib.Path(tmp) / variant
-            step = ms.variant_step(model, mesh, variant, replicate_below=args.replicate_below)
+            step = ms.variant_step(model, mesh, variant, apply_sgd=args.apply_sgd, replicate_below=args.replicate_below)
             compiled = compile_with_dump(*step, directory)
             heap, ops = read_dump(directory)
             print(describe(variant, compiled.memory_analysis().temp_size_in_bytes, heap, ops, args.top), flush=True)
