@@ -20,7 +20,13 @@ reading something other than parameters). Each segment runs as a
   activations it received; the next segment's shards are ``depend``-ed on that token, so
   a unit is gathered as soon as the layer before it has *started* (FSDP2's prefetch: the
   next unit's all-gather can overlap the running unit's compute) and no earlier (at most
-  the running unit and the next one are gathered);
+  the running unit and the next one are gathered). The dependence is made inside the
+  segment's checkpoint, which takes the shards as they are and the token: what backward
+  keeps of a shard is then the parameter itself. Made before it, the residual was the
+  depended copy (shard plus the token's zero), a float32 shard per unit that XLA:TPU kept
+  from forward to backward: a training step of eight unrolled 1536 -> 4608 GELU blocks,
+  recomputed, on v6e 2x4 held four layers' copies at its fullest, 86.94 MiB against the
+  plain recipe's 68.19, now 70.56 (docs/benchmarks.md, "Shard copies kept for backward");
 - backward: the token's cotangent is a zero ``depend``-ed on the next segment's incoming
   cotangents, and the shards, as saved in the residuals, are ``depend``-ed on it, so a
   re-gather may run while the segment after it computes its backward (prefetch again),
@@ -229,16 +235,18 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
     # segment is not checkpointed: its backward follows its forward at once, so what a
     # checkpoint would free is recomputed straight away (no lower peak), and recomputing it
     # would redo its unit's layer and the loss's tail, which jax.checkpoint(layer) never does.
-    checkpointed = (jax.checkpoint(run, policy=policy, prevent_cse=keeps_cse_barrier(policy))
-                    if _checkpoint_whole(seg.eqns, policy) and not last else run)
+    def ordered(vals, token):
+        return run(*with_dep(vals, [token]))
+
+    checkpointed = (jax.checkpoint(ordered, policy=policy, prevent_cse=keeps_cse_barrier(policy))
+                    if _checkpoint_whole(seg.eqns, policy) and not last else ordered)
 
     @jax.custom_vjp
     def segment(vals, token):
-        return run(*with_dep(vals, [token])), token_of(vals)
+        return ordered(vals, token), token_of(vals)
 
     def fwd(vals, token):
-        vals = with_dep(vals, [token])
-        outs, vjp_fn = jax.vjp(checkpointed, *vals)
+        outs, vjp_fn = jax.vjp(checkpointed, list(vals), token)
         leaves, stash["tree"] = jax.tree.flatten(vjp_fn)
         shards = [vals[i] for i in shard_at]
         stash["at"] = [k for k, leaf in enumerate(leaves) if any(leaf is s for s in shards)]
@@ -248,7 +256,7 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
         cts, token_ct = cts
         after = cts if last else [token_ct]  # the re-gather waits for these
         leaves = [depend(x, after) if k in stash["at"] else x for k, x in enumerate(leaves)]
-        ct_vals = list(jax.tree.unflatten(stash["tree"], leaves)(cts))
+        ct_vals = list(jax.tree.unflatten(stash["tree"], leaves)(cts)[0])
         # The last segment's incoming cotangent is the loss's constant 1: the previous
         # segment's re-gather then waits for this one's backward, or XLA would merge it with
         # the forward gather.
