@@ -56,7 +56,7 @@ class LeafComm:
     @property
     def gradient_dtype(self) -> np.dtype:
         """The dtype the reduced gradient is returned in: the shard's."""
-        return np.dtype(self.shard_dtype or self.layout.dtype)
+        return np.dtype(self.layout.dtype if self.shard_dtype is None else self.shard_dtype)
 
 
 def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:

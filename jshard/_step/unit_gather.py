@@ -95,12 +95,12 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
 
 def cast_for_loop(meta: UnitMeta, entries: list[Any], step: StepState) -> list[Any]:
     """A stacked unit's own entries (``unit.own_entries()`` order) as a loop over its layers takes
-    them: each leaf that :func:`_cast_before_loop` picks cast to its compute dtype, the rest as
-    they are ([Note: stacks cast before the loop])."""
+    them: each leaf that has a :func:`_loop_dtype` cast to it, the rest as they are ([Note: stacks
+    cast before the loop])."""
     if step.pregathered or not _compiler_holds_cast_stacks(meta.axes):
         return list(entries)
-    return [x.astype(meta.policy.mp_policy.compute_dtype(layout.dtype)) if _cast_before_loop(layout, meta.policy)
-            else x for x, layout in zip(entries, meta.layouts, strict=True)]
+    dtypes = [_loop_dtype(layout, meta.policy) for layout in meta.layouts]
+    return [x if dtype is None else x.astype(dtype) for x, dtype in zip(entries, dtypes, strict=True)]
 
 
 def _compiler_holds_cast_stacks(axes: MeshAxes) -> bool:
@@ -111,13 +111,16 @@ def _compiler_holds_cast_stacks(axes: MeshAxes) -> bool:
     return axes.tpu_mesh is not None
 
 
-def _cast_before_loop(layout: LeafLayout | None, policy: FullyShardPolicy) -> bool:
+def _loop_dtype(layout: LeafLayout | None, policy: FullyShardPolicy) -> np.dtype | None:
+    """The dtype a stacked leaf enters its loop in, where it is cast before the loop: its compute
+    dtype, when that differs from its own and its gradient is reduced in it (``None`` otherwise)."""
     if layout is None or layout.ignored or not layout.sharded or not is_floating(layout.dtype):
-        return False
+        return None
     mp = policy.mp_policy
     compute = mp.compute_dtype(layout.dtype)
-    return (compute != layout.dtype and mp.gradient_dtype(layout.dtype) == compute
-            and memory_kind(layout, policy) is None and policy.custom_all_gather is None)
+    casts = (compute != layout.dtype and mp.gradient_dtype(layout.dtype) == compute
+             and memory_kind(layout, policy) is None and policy.custom_all_gather is None)
+    return compute if casts else None
 
 
 def _kept_vector(comm: LeafComm, step: StepState, layer: bool) -> bool:
