@@ -211,8 +211,6 @@ ENTRY %main (x: bf16[192,1536]) -> bf16[1536,1536] {
 
 def _loop_operand_dtypes(step, *args, shape):
     """The dtypes of every ``scan`` operand and result of ``shape`` in the step's jaxpr (nested ones too)."""
-    from jshard._step.segments import _sub_jaxprs
-
     found = set()
 
     def visit(jaxpr):
@@ -220,8 +218,12 @@ def _loop_operand_dtypes(step, *args, shape):
             if eqn.primitive.name == "scan":
                 found.update(v.aval.dtype.name for v in (*eqn.invars, *eqn.outvars)
                              if getattr(v.aval, "shape", None) == shape)
-            for sub in _sub_jaxprs(eqn):
-                visit(sub)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, tuple) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        visit(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        visit(sub)
 
     visit(jax.make_jaxpr(step)(*args).jaxpr)
     return found
