@@ -10,7 +10,7 @@ import jax
 from jshard._sharding.fully_shard import unshard_global
 from jshard._sharding.step_state import active_step
 from jshard._sharding.unit import FSDPUnit, is_unit
-from jshard._step.unit_gather import cast_for_loop, gather_for_compute, per_layer
+from jshard._step.unit_gather import gather_for_compute, per_layer
 
 
 def _check_stacked(units: Any) -> FSDPUnit:
@@ -44,8 +44,8 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
     ``reshard_after_forward`` the gathered layer is freed and re-gathered in backward
     (``True``), saved (``False``), or a group copy is saved (``int``). Each layer's
     gradient is reduce-scattered in its backward iteration; on TPU a leaf whose gradient is
-    reduced in ``param_dtype`` is cast to it once, before the loop, and its gradients are
-    stacked in it (see [Note: stacks cast before the loop]). In the global view it
+    reduced in ``param_dtype`` comes cast to it by the step, and its gradients are stacked
+    in it (see [Note: stacks cast before the loop]). In the global view it
     unshards the stack and runs a plain ``lax.scan`` (for evaluation).
 
     Args:
@@ -76,5 +76,4 @@ def scan(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, units: FSDPUnit
     def iteration(carry, layer_entries):
         return body(carry, units.with_entries(gather_for_compute(units.meta, layer_entries, step, layer=True)))
 
-    entries = cast_for_loop(units.meta, units.own_entries(), step)
-    return jax.lax.scan(per_layer(step, iteration), init, entries, **scan_kwargs)
+    return jax.lax.scan(per_layer(step, iteration), init, units.own_entries(), **scan_kwargs)

@@ -11,10 +11,11 @@ gathered until its backward (``_kept_vector``, [Note: loop residuals]). The guar
 ``refuse_shard_read`` (``_sharding/local_shapes.py``, [Note: shard reads]), the forward's casts
 are ``MixedPrecisionPolicy``'s.
 
-[Note: stacks cast before the loop] On TPU a loop over a stacked unit (``js.scan``) takes each
-sharded floating leaf in its compute dtype where its gradient is reduced in that dtype too
-(``MixedPrecisionPolicy(param_dtype=bfloat16)``, whose ``reduce_dtype`` follows): the shard stack
-is cast once before the loop (:func:`cast_for_loop`), each iteration gathers its slice as it is,
+[Note: stacks cast before the loop] On TPU a loop over a stacked unit (``js.scan``, ``nnx.scan``,
+``nn.scan``) takes each sharded floating leaf in its compute dtype where its gradient is reduced
+in that dtype too (``MixedPrecisionPolicy(param_dtype=bfloat16)``, whose ``reduce_dtype``
+follows): the step casts the shard stack once, before its loss runs (:func:`cast_stacks_for_loops`,
+the one place for all three loops), each iteration gathers its slice as it is,
 and its backward returns the reduced gradient in that dtype (``LeafComm.shard_dtype``), so the
 loop stacks the layers' gradients in bfloat16 and the cast to the leaf's float32 comes after
 the loop, where XLA fuses it into what reads the gradients (the optimizer's update). The values
@@ -24,11 +25,14 @@ copy of the stack anyway (it hoists the cast out of the loop for the default-pre
 matmuls): a training step (gradients applied by SGD) of eight stacked 1536-wide tanh layers
 recomputed in bfloat16 on v5p 2x2x2 peaked at 45.08 MiB against the plain GSPMD recipe's 36.10,
 which casts its parameters before its loop; cast before, 35.98 (docs/benchmarks.md, "A training
-step"). XLA:CPU casts in each iteration, so there the stack cast before the loop is a copy more
-(that step 39.58 -> 44.08 MiB): other platforms keep the cast in the loop
+step"); the same model written with ``nnx.vmap`` and ``nnx.scan`` (or ``nn.scan``) compiled to
+the same 45.08 MiB while only ``js.scan`` cast its stacks. XLA:CPU casts in each iteration, so
+there the stack cast before the loop is a copy more (that step 39.58 -> 44.08 MiB): other
+platforms keep the cast in the loop
 (:func:`_compiler_holds_cast_stacks`). Host-offloaded shards (the cast would bring the stack to
-the device whole), custom all-gathers (they quantize the shard from its own dtype) and
-``reduce_dtype=float32`` keep it in the loop too.
+the device whole), custom all-gathers (they quantize the shard from its own dtype),
+``reduce_dtype=float32`` and stacks laid out as pipeline stages (``js.pipeline`` slices a
+stage's layers itself) keep it in the loop too.
 """
 
 from __future__ import annotations
@@ -44,10 +48,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import LeafLayout, memory_kind
 from jshard._sharding.mesh import MeshAxes
-from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.step_state import NOT_IN_STEP, StepState
 from jshard._sharding.torus import phases_pay_off
-from jshard._sharding.unit import FSDPUnit, UnitMeta
+from jshard._sharding.unit import FSDPUnit, UnitMeta, map_unit_leaves
 from jshard._step.gather import LeafComm, gather_leaf, leaf_comm
 from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, SAVED, loop_policy
 from jshard._step.unit_collectives import gather_unit, joins_unit_buffer
@@ -93,14 +96,19 @@ def gather_for_compute(meta: UnitMeta, entries: list[Any], step: StepState, *, l
     return out
 
 
-def cast_for_loop(meta: UnitMeta, entries: list[Any], step: StepState) -> list[Any]:
-    """A stacked unit's own entries (``unit.own_entries()`` order) as a loop over its layers takes
-    them: each leaf that has a :func:`_loop_dtype` cast to it, the rest as they are ([Note: stacks
-    cast before the loop])."""
-    if step.pregathered or not _compiler_holds_cast_stacks(meta.axes):
-        return list(entries)
-    dtypes = [_loop_dtype(layout, meta.policy) for layout in meta.layouts]
-    return [x if dtype is None else x.astype(dtype) for x, dtype in zip(entries, dtypes, strict=True)]
+def cast_stacks_for_loops(params: Any, step: StepState) -> Any:
+    """``params`` (the step's local view of its units) as the loops over stacked units take them:
+    each leaf of a stacked unit that has a :func:`_loop_dtype` cast to it, the rest as they are
+    ([Note: stacks cast before the loop]). The step hands its loss these, so ``js.scan``,
+    ``nnx.scan`` and ``nn.scan`` all loop over the cast stacks."""
+    if step.pregathered:
+        return params
+
+    def cast(meta: UnitMeta | None, layout: LeafLayout | None, x: Any) -> Any:
+        dtype = None if meta is None else _loop_dtype(meta, layout)
+        return x if dtype is None else x.astype(dtype)
+
+    return map_unit_leaves(cast, params)
 
 
 def _compiler_holds_cast_stacks(axes: MeshAxes) -> bool:
@@ -111,10 +119,15 @@ def _compiler_holds_cast_stacks(axes: MeshAxes) -> bool:
     return axes.tpu_mesh is not None
 
 
-def _loop_dtype(layout: LeafLayout | None, policy: FullyShardPolicy) -> np.dtype | None:
-    """The dtype a stacked leaf enters its loop in, where it is cast before the loop: its compute
-    dtype, when that differs from its own and its gradient is reduced in it (``None`` otherwise)."""
-    if layout is None or layout.ignored or not layout.sharded or not is_floating(layout.dtype):
+def _loop_dtype(meta: UnitMeta, layout: LeafLayout) -> np.dtype | None:
+    """The dtype a leaf enters the loop over its stack in, where it is cast before the loop: its
+    compute dtype, for a sharded floating leaf of a stacked unit on a compiler that holds the cast
+    stack anyway, when that dtype differs from its own and its gradient is reduced in it (``None``
+    otherwise). Stacks laid out as pipeline stages (their layer axis split) slice their layers
+    themselves and keep the cast in the loop."""
+    policy = meta.policy
+    if (policy.scan_axis != 0 or (layout.model and layout.model[0]) or layout.ignored or not layout.sharded
+            or not is_floating(layout.dtype) or not _compiler_holds_cast_stacks(meta.axes)):
         return None
     mp = policy.mp_policy
     compute = mp.compute_dtype(layout.dtype)

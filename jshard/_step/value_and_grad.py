@@ -25,7 +25,7 @@ from jshard._step.remat import REMAT_POLICY
 from jshard._step.remat import remat_policy as remat_policy_of
 from jshard._step.residual_rounding import without_residual_rounding
 from jshard._step.segments import segmented
-from jshard._step.unit_gather import unshard_unit
+from jshard._step.unit_gather import cast_stacks_for_loops, unshard_unit
 
 
 def _check_units(sharded: Any) -> tuple[list[tuple[FSDPUnit, bool]], MeshAxes]:
@@ -263,7 +263,7 @@ def _local_step(loss_fn, step, mp, has_aux, unshard_params, microbatches, backwa
         batch = mp.cast_inputs(batch)
 
         def loss_of(p, mb):
-            out = loss_fn(_unshard_all(p, step) if unshard_params else p, mb, *args)
+            out = loss_fn(_unshard_all(p, step) if unshard_params else cast_stacks_for_loops(p, step), mb, *args)
             loss, aux = out if has_aux else (out, None)
             return mp.cast_outputs(jnp.asarray(loss)), aux
 
