@@ -16,13 +16,23 @@ constrained, jshard), with XLA dumping the compiled module's buffer assignment a
 - the largest values live there, with their shape and the JAX operation that made them (the HLO
   instruction's ``op_name``), which is how docs/benchmarks.md attributes a row's excess.
 
+``--above RESULTS.json`` reads a stored sweep instead (its target, flags and jshard options) and,
+for every model whose jshard peak is above the best recipe's there, compiles that recipe and
+jshard again and prints one Markdown row: both peaks, each program's three temporaries figures,
+what jshard holds at its fullest that the recipe's fullest point has no value of the same shape
+for (:func:`held_more`), and the other way round. docs/benchmarks.md's tables of the rows above
+the recipe come from it.
+
 The parsing functions take the dump's text, so tests can feed them small hand-written pieces.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import json
+import os
 import pathlib
 import re
 import tempfile
@@ -139,14 +149,94 @@ def describe(variant: str, temp: int, heap: Fullest, ops: dict[str, str], top: i
     return "\n".join(lines)
 
 
+def held_more(jshard: Fullest, recipe: Fullest, floor: int = 1 << 16) -> list[HeapValue]:
+    """jshard's values at its fullest point, of at least ``floor`` bytes, that the recipe's fullest
+    point has no value of the same shape for (matched one for one), largest first.
+
+    Example:
+      >>> a, b = HeapValue("a{}", 1 << 20, 0, "f32[512,512]"), HeapValue("b{}", 1 << 20, 1 << 20, "f32[512,512]")
+      >>> c = HeapValue("c{}", 1 << 17, 0, "bf16[256,256]")
+      >>> [v.name for v in held_more(Fullest(0, 0, 0, (a, b, c)), Fullest(0, 0, 0, (a,)))]
+      ['b{}', 'c{}']
+    """
+    left = collections.Counter(v.shape for v in recipe.live)
+    more = []
+    for v in jshard.live:
+        if left[v.shape]:
+            left[v.shape] -= 1
+        elif v.size >= floor:
+            more.append(v)
+    return more
+
+
 def compile_with_dump(step: Any, args: tuple[Any, ...], directory: pathlib.Path) -> Any:
     """``step`` compiled for ``args`` with XLA dumping the compiled module into ``directory``."""
     return step.lower(*args).compile(compiler_options={"xla_dump_to": str(directory)})
 
 
+def _compiled_heap(ms: Any, model: Any, mesh: Any, variant: str, tmp: pathlib.Path,
+                   **options: Any) -> tuple[Any, Fullest, dict[str, str]]:
+    directory = tmp / variant
+    compiled = compile_with_dump(*ms.variant_step(model, mesh, variant, **options), directory)
+    heap, ops = read_dump(directory)
+    return compiled, heap, ops
+
+
+def _cells(ms: Any, compiled: Any, heap: Fullest) -> tuple[float, str]:
+    mib = 2.0**20
+    figures = (compiled.memory_analysis().temp_size_in_bytes, heap.allocation, heap.occupied)
+    return ms.Memory.from_compiled(compiled).peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
+
+
+def above_rows(results: pathlib.Path) -> None:
+    """Print a Markdown row for every model of the stored sweep ``results`` whose jshard peak is above
+    its best recipe's, from a fresh compile of both under the sweep's own settings."""
+    stored = json.loads(results.read_text())
+    if stored.get("libtpu_init_args"):
+        flags = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {stored['libtpu_init_args']}"
+        os.environ["LIBTPU_INIT_ARGS"] = flags.strip()  # before the topology starts libtpu
+    from benchmarks import memory_sweep as ms  # starts JAX (8 CPU devices where no accelerator is given)
+
+    target = ms.CompileTarget.parse(stored["target"])
+    mesh = ms.target_mesh(target)
+    options = {"apply_sgd": stored.get("apply_sgd", False)}
+    jshard_options = {"replicate_below": stored.get("replicate_below", 0),
+                      "backward_prefetch": stored.get("backward_prefetch", True)}
+    models = {m.name: m for m in ms.models(False)}
+    print(f"{results.name}: compiled by {target.describe()}"
+          + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}" if stored.get("libtpu_init_args") else ""))
+    print("| model | best recipe | jshard (/ best) | recipe: temporaries / HBM allocation / occupied "
+          "| jshard: the same | what jshard holds at its fullest that the recipe does not | and the recipe, that "
+          "jshard does not |")
+    print("|---|---|---|---|---|---|---|")
+    for row in stored["models"]:
+        best = min(("recipe", "constrained"), key=lambda v: row["peak_bytes"][v])
+        if round(row["peak_bytes"]["jshard"] / row["peak_bytes"][best], 2) <= 1:
+            continue
+        model = models[row["name"]]
+        with tempfile.TemporaryDirectory() as tmp:
+            compiled, recipe_heap, recipe_ops = _compiled_heap(ms, model, mesh, best, pathlib.Path(tmp), **options)
+            recipe_peak, recipe_cells = _cells(ms, compiled, recipe_heap)
+            compiled, heap, ops = _compiled_heap(ms, model, mesh, "jshard", pathlib.Path(tmp), **options,
+                                                 **jshard_options)
+            peak, cells = _cells(ms, compiled, heap)
+        print(f"| {row['name']} | {recipe_peak:.2f} ({best}) | {peak:.2f} ({peak / recipe_peak:.2f}) | {recipe_cells} "
+              f"| {cells} | {_values(held_more(heap, recipe_heap), ops)} "
+              f"| {_values(held_more(recipe_heap, heap), recipe_ops)} |", flush=True)
+
+
+def _values(values: list[HeapValue], ops: dict[str, str]) -> str:
+    """The three largest of ``values``: shape, MiB and the last name of the JAX operation that made it."""
+    return ", ".join(f"`{v.shape}` {v.size / 2**20:.2f} ({ops.get(v.instruction, '?').split('/')[-1]})"
+                     for v in values[:3]) or "none of 0.06 MiB or more"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a model of the sweep, by its name")
+    parser.add_argument("--model", help="a model of the sweep, by its name")
+    parser.add_argument("--above", type=pathlib.Path,
+                        help="a stored sweep (benchmarks/results/memory_sweep*.json): a row for each model above "
+                             "the best recipe there, under the sweep's own settings")
     parser.add_argument("--variants", default="recipe,constrained,jshard")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--replicate-below", type=int, default=0,
@@ -157,6 +247,11 @@ def main(argv: list[str] | None = None) -> None:
 
     ms.add_compile_arguments(parser)
     args = parser.parse_args(argv)
+    if args.above is not None:
+        above_rows(args.above)
+        return
+    if args.model is None:
+        parser.error("give --model NAME (one model) or --above RESULTS.json (the models above the recipe there)")
     model = next((m for m in ms.models(False) if m.name == args.model), None)
     if model is None:
         raise SystemExit(f"No sweep model is named {args.model!r}; "
