@@ -189,3 +189,27 @@ def test_loop_trips_read_the_counters_start_and_step(start, trips):
     text = WINDOWED_EINSUM.replace("START", str(start))
     assert trip_counts(text) == {"body": trips}
     assert matmul_flops(text) == trips * 2 * 64 * 576 * 1536
+
+
+BROADCAST_CONVOLUTION = """\
+HloModule m
+
+ENTRY %main {
+  %x = bf16[1024,1024,1]{2,1,0} parameter(0)
+  %w = bf16[8,128,1024]{2,1,0} parameter(1)
+  ROOT %q = bf16[1024,8,128]{2,1,0} convolution(%x, %w), window={size=8 pad=7_7 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+}
+"""
+
+
+def test_a_convolution_counts_only_the_window_taps_on_its_input():
+    """[Note: convolution taps]: XLA:TPU's projection of 1024 tokens onto 8 heads of 128, written
+    as a convolution whose window of 8 slides over a padded input of spatial size 1, multiplies
+    each output by one input position: 2 * 1024 * 8 * 128 * 1024 FLOPs, not eight times that."""
+    from jshard.report import matmul_flops
+
+    assert matmul_flops(BROADCAST_CONVOLUTION) == 2 * 1024 * 8 * 128 * 1024
+    same_padding = BROADCAST_CONVOLUTION.replace("bf16[1024,1024,1]", "bf16[1024,1024,8]")
+    same_padding = same_padding.replace("window={size=8 pad=7_7", "window={size=8 pad=3_4")
+    taps = (5 + 6 + 7 + 8 + 7 + 6 + 5 + 4) / 8  # output o meets inputs o - 3 ... o + 4 of 0 ... 7
+    assert matmul_flops(same_padding) == 2 * 1024 * 8 * 128 * 1024 * taps

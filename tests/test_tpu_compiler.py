@@ -615,3 +615,23 @@ def test_float8_gathers_compile_to_uint8_all_gathers_of_half_the_bf16_bytes_on_v
     assert {c.bytes for c in bf16} == {256 * 768 * 2}
     # One byte per element, then four per row of each shard (w1's shards have 32 rows, w2's 96).
     assert {c.bytes for c in fp8} == {256 * 768 + 8 * 32 * 4, 768 * 256 + 8 * 96 * 4}
+
+
+def test_attention_matmuls_count_the_same_on_tpu_as_on_cpu():
+    """[Note: convolution taps]: XLA:TPU writes the attention's per-head products as convolutions
+    with padded windows; counted per window tap that lands on the input, the sweep's stacked
+    4x128 transformer (recomputed, a training step) has the matmul FLOPs XLA:CPU's dots give,
+    for the recipe and for jshard. Counting whole windows read the recipe's as 2.04 GFLOP
+    against 0.83 (and jshard's as 1.29 against 0.82), so TPU FLOP ratios of attention models
+    compared miscounts."""
+    from benchmarks import memory_sweep
+
+    model = memory_sweep.Model("transformer", True, 4, 128, 16, remat=True)
+    flops = {}
+    for target in ("tpu:v5p:2x2x2", "cpu:8"):
+        mesh = memory_sweep.target_mesh(CompileTarget.parse(target))
+        for variant in ("recipe", "jshard"):
+            step, args = memory_sweep.variant_step(model, mesh, variant, apply_sgd=True)
+            flops[target, variant] = memory_sweep.matmul_flops(step.lower(*args).compile().as_text())
+    assert flops["tpu:v5p:2x2x2", "recipe"] == flops["cpu:8", "recipe"] == 826277888
+    assert flops["tpu:v5p:2x2x2", "jshard"] == flops["cpu:8", "jshard"] == 817889280
