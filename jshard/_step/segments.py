@@ -125,7 +125,12 @@ def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
     forward three times where ``jax.checkpoint(layer)`` in a ``lax.scan`` runs it twice. So the
     loss is checkpointed as a whole only where a unit gathered outside those bodies must be
     freed (``reshard_after_forward`` of a unit gathered at the top level), or where the step's
-    policy is jshard's own (no ``remat_policy``): that one recomputes only cheap layout ops
+    policy is jshard's own (no ``remat_policy``). Under a ``remat_policy`` a segment that frees
+    such a unit is cut again before a loop that gathers inside it, so the checkpoint that frees
+    the unit does not hold the loop: an NNX Llama with its embedding and its output head each a
+    unit of its own (torchtitan wraps them so) ran its stacked layers' forward three times,
+    1.21x the recipe's matmul FLOPs (``tests/test_recompute.py`` pins a smaller case). Jshard's
+    own policy recomputes only cheap layout ops
     (around a loop, elementwise arithmetic too: [Note: loop residuals] in ``remat.py``) and saves
     their inputs, less than plain differentiation keeps (v5p, eight stacked 1536-wide tanh layers,
     activations kept: 35.7 MiB with it, 48.3 without).
@@ -164,13 +169,19 @@ def _checkpoint_whole(eqns: Sequence[Any], policy: Any) -> bool:
     return policy is REMAT_POLICY or frees_outside_checkpoints(eqns)
 
 
-def _split(eqns: Sequence[Any], params: set[Any]) -> list[list[Any]]:
-    """Cut before a gather that follows compute (an equation reading non-parameter values)."""
+def _gathers_inside(eqn: Any) -> bool:
+    """Whether a gather starts inside the equation's nested jaxprs (a loop over a stack)."""
+    return any(_is_start(e) or _gathers_inside(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
+
+
+def _split(eqns: Sequence[Any], params: set[Any], cut_loops: bool = False) -> list[list[Any]]:
+    """Cut before a gather that follows compute (an equation reading non-parameter values);
+    ``cut_loops``: before an equation that gathers inside (a loop over a stack) too."""
     segments: list[list[Any]] = [[]]
     derived = set(params)  # values computed from parameters (shards, gathers) alone
     computed = False
     for eqn in eqns:
-        if _is_start(eqn) and computed:
+        if computed and (_is_start(eqn) or cut_loops and _gathers_inside(eqn)):
             segments.append([])
             computed = False
         segments[-1].append(eqn)
@@ -279,7 +290,11 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefe
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         jaxpr = closed.jaxpr
-        pieces = _split(jaxpr.eqns, set(jaxpr.invars[:n_params]) | set(jaxpr.constvars))
+        params = set(jaxpr.invars[:n_params]) | set(jaxpr.constvars)
+        pieces = _split(jaxpr.eqns, params)
+        if policy is not REMAT_POLICY:  # a loop leaves a segment its checkpoint would recompute it in
+            pieces = [q for p in pieces for q in (_split(p, params, cut_loops=True)
+                                                 if frees_outside_checkpoints(p) else [p])]
         flat_args = jax.tree.leaves(args)
         if len(pieces) <= 1:
             whole = jcore.jaxpr_as_fun(closed)
