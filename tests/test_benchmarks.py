@@ -144,6 +144,19 @@ def test_heap_at_peak_reads_every_row_above_the_recipe_of_a_stored_sweep(tmp_pat
     assert "`f32[256,512]` 0.50 (reduce_scatter)" in jshard_more, rows[0]
 
 
+def test_llama_recipe_compiles_both_steps_with_the_same_matmuls(capsys):
+    """``python -m benchmarks.llama_recipe``: the demo's NNX Llama (tiny) trained by jshard and by
+    the hand-written GSPMD recipe on 8 CPU devices, with the same recomputation: the same matmul
+    FLOPs, jshard reduce-scattering where the recipe all-reduces."""
+    from benchmarks import llama_recipe
+
+    results = llama_recipe.main(["--size", "tiny"])
+    assert results["jshard"]["flops"] == results["recipe"]["flops"] > 0
+    assert results["jshard"]["collective_bytes"]["reduce-scatter"] > 0
+    assert results["recipe"]["collective_bytes"]["all-reduce"] > results["jshard"]["collective_bytes"]["all-reduce"]
+    assert "jshard / recipe: peak" in capsys.readouterr().out
+
+
 def test_quick_gather_options(tmp_path):
     """``python -m benchmarks.gather_options --quick``: the three gather options of one small
     stacked model compiled on ``cpu:8``, with the same matmul FLOPs; float8 gathers ``uint8``,
