@@ -14,27 +14,21 @@ variants with each other, not with a real accelerator.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
+import platform
+import statistics
+import time
+from typing import Any
 
-if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+import jax
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-
-from benchmarks.variants import EXTRA_VARIANTS, VARIANTS, model_inputs, prepare  # noqa: E402
-from jshard.demo import model as T  # noqa: E402
-from jshard.report import (  # noqa: E402
-    Memory,  # noqa: E402
+from benchmarks.variants import EXTRA_VARIANTS, VARIANTS, model_inputs, prepare
+from jshard.demo import model as T
+from jshard.report import (
+    Memory,
     step_collectives,
     wire_bytes_by_kind,
 )

@@ -39,6 +39,7 @@ import tempfile
 from typing import Any
 
 from jshard._plan.buffers import temp_values as assigned_temp_values
+from jshard.report import CompileTarget, Memory
 
 _RANGE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\bop_name=\"([^\"]*)\"")
@@ -176,16 +177,18 @@ def compile_with_dump(step: Any, args: tuple[Any, ...], directory: pathlib.Path)
 
 def _compiled_heap(ms: Any, model: Any, mesh: Any, variant: str, tmp: pathlib.Path,
                    **options: Any) -> tuple[Any, Fullest, dict[str, str]]:
+    """One variant's step of ``model`` (``options``: :func:`benchmarks.memory_sweep.variant_step`'s)
+    compiled with its dump in ``tmp / variant``, and the dump read."""
     directory = tmp / variant
     compiled = compile_with_dump(*ms.variant_step(model, mesh, variant, **options), directory)
     heap, ops = read_dump(directory)
     return compiled, heap, ops
 
 
-def _cells(ms: Any, compiled: Any, heap: Fullest) -> tuple[float, str]:
+def _cells(compiled: Any, heap: Fullest) -> tuple[float, str]:
     mib = 2.0**20
     figures = (compiled.memory_analysis().temp_size_in_bytes, heap.allocation, heap.occupied)
-    return ms.Memory.from_compiled(compiled).peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
+    return Memory.from_compiled(compiled).peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
 
 
 def above_rows(results: pathlib.Path) -> None:
@@ -197,11 +200,10 @@ def above_rows(results: pathlib.Path) -> None:
         os.environ["LIBTPU_INIT_ARGS"] = flags.strip()  # before the topology starts libtpu
     from benchmarks import memory_sweep as ms  # starts JAX (8 CPU devices where no accelerator is given)
 
-    target = ms.CompileTarget.parse(stored["target"])
+    target = CompileTarget.parse(stored["target"])
     mesh = ms.target_mesh(target)
-    options = {"apply_sgd": stored.get("apply_sgd", False)}
-    jshard_options = {"replicate_below": stored.get("replicate_below", 0),
-                      "backward_prefetch": stored.get("backward_prefetch", True)}
+    options = {"apply_sgd": stored.get("apply_sgd", False), "replicate_below": stored.get("replicate_below", 0),
+               "backward_prefetch": stored.get("backward_prefetch", True)}  # the last two: jshard's only
     models = {m.name: m for m in ms.models(False)}
     print(f"{results.name}: compiled by {target.describe()}"
           + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}" if stored.get("libtpu_init_args") else ""))
@@ -209,17 +211,13 @@ def above_rows(results: pathlib.Path) -> None:
           "| jshard: the same | what jshard holds at its fullest that the recipe does not | and the recipe, that "
           "jshard does not |")
     print("|---|---|---|---|---|---|---|")
-    for row in stored["models"]:
-        best = min(("recipe", "constrained"), key=lambda v: row["peak_bytes"][v])
-        if round(row["peak_bytes"]["jshard"] / row["peak_bytes"][best], 2) <= 1:
-            continue
-        model = models[row["name"]]
+    for row in filter(ms.above_recipe, stored["models"]):
+        best, model = ms.best_recipe(row), models[row["name"]]
         with tempfile.TemporaryDirectory() as tmp:
             compiled, recipe_heap, recipe_ops = _compiled_heap(ms, model, mesh, best, pathlib.Path(tmp), **options)
-            recipe_peak, recipe_cells = _cells(ms, compiled, recipe_heap)
-            compiled, heap, ops = _compiled_heap(ms, model, mesh, "jshard", pathlib.Path(tmp), **options,
-                                                 **jshard_options)
-            peak, cells = _cells(ms, compiled, heap)
+            recipe_peak, recipe_cells = _cells(compiled, recipe_heap)
+            compiled, heap, ops = _compiled_heap(ms, model, mesh, "jshard", pathlib.Path(tmp), **options)
+            peak, cells = _cells(compiled, heap)
         print(f"| {row['name']} | {recipe_peak:.2f} ({best}) | {peak:.2f} ({peak / recipe_peak:.2f}) | {recipe_cells} "
               f"| {cells} | {_values(held_more(heap, recipe_heap), ops)} "
               f"| {_values(held_more(recipe_heap, heap), recipe_ops)} |", flush=True)
@@ -261,10 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     mesh = ms.target_mesh(target)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            directory = pathlib.Path(tmp) / variant
-            step = ms.variant_step(model, mesh, variant, apply_sgd=args.apply_sgd, replicate_below=args.replicate_below)
-            compiled = compile_with_dump(*step, directory)
-            heap, ops = read_dump(directory)
+            compiled, heap, ops = _compiled_heap(ms, model, mesh, variant, pathlib.Path(tmp), apply_sgd=args.apply_sgd,
+                                                 replicate_below=args.replicate_below)
             print(describe(variant, compiled.memory_analysis().temp_size_in_bytes, heap, ops, args.top), flush=True)
 
 

@@ -27,9 +27,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks.memory_sweep import compiled_figures, target_mesh
 from jshard.demo import llama3
 from jshard.demo.plan import standard_promotion
-from jshard.report import CompileTarget, Memory, PlanConfig, matmul_flops, step_collectives, wire_bytes_by_kind
+from jshard.report import CompileTarget, PlanConfig
 
 SIZES = {
     "tiny": llama3.TINY,
@@ -85,24 +86,12 @@ def jshard_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int) -> tu
     return step, args
 
 
-def measure(step: Any, args: tuple[Any, ...]) -> dict[str, Any]:
-    """Peak bytes per device, matmul FLOPs per device and bytes sent per device by kind."""
-    lowered = step.lower(*args)
-    compiled = lowered.compile()
-    text = compiled.as_text()
-    sent = wire_bytes_by_kind(step_collectives(text, lowered.as_text()))
-    return {"peak_bytes": Memory.from_compiled(compiled).peak, "flops": matmul_flops(text),
-            "collective_bytes": {k: v for k, v in sent.items() if v}}
-
-
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--batch-per-device", type=int, default=1)
     args = parser.parse_args(argv)
-    from benchmarks.memory_sweep import target_mesh
-
     target = CompileTarget.parse(args.target)
     mesh = target_mesh(target)
     cfg = SIZES[args.size]
@@ -110,8 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
           f"batch {args.batch_per_device} per device, compiled by {target.describe()}")
     results = {}
     for name, build in (("recipe", recipe_step), ("jshard", jshard_step)):
-        results[name] = r = measure(*build(mesh, cfg, args.batch_per_device))
-        sent = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["collective_bytes"].items())
+        results[name] = r = compiled_figures(*build(mesh, cfg, args.batch_per_device))
+        sent = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["collective_bytes"].items() if v)
         print(f"{name}: peak {r['peak_bytes'] / 2**20:.1f} MiB, matmul {r['flops'] / 1e9:.3f} GFLOP, "
               f"sends MiB: {sent}", flush=True)
     ratio = results["jshard"]["peak_bytes"] / results["recipe"]["peak_bytes"]

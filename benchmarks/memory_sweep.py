@@ -45,30 +45,24 @@ buffers as scratch once it has read them.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import itertools
+import json
 import os
+import pathlib
+from collections.abc import Callable
+from typing import Any
 
-if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-import jshard as js  # noqa: E402
-from jshard._report.report import report_compiled  # noqa: E402
-from jshard._report.schedule import gather_schedule  # noqa: E402
-from jshard.demo import model as T  # noqa: E402
-from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives, wire_bytes_by_kind  # noqa: E402
+import jshard as js
+from jshard._report.report import report_compiled
+from jshard._report.schedule import gather_schedule
+from jshard.demo import model as T
+from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives, wire_bytes_by_kind
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 VARIANTS = ("recipe", "constrained", "jshard")
@@ -166,7 +160,7 @@ def _applying_sgd(value_and_grad: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _compiled(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = False) -> dict[str, Any]:
+def compiled_figures(step: Callable[..., Any], args: tuple[Any, ...], jshard: bool = False) -> dict[str, Any]:
     """Peak and matmul FLOPs of the compiled step, its all-gathers, what it sends per device per step
     by collective kind and, for jshard's (``jshard``), the analytic figure beside it (all from the one
     compile)."""
@@ -263,7 +257,7 @@ def measure(m: Model, mesh: Mesh, variants: tuple[str, ...] = VARIANTS, **jshard
     (``collective_bytes``: a recipe's all-to-alls are GSPMD moving activations instead of weights),
     and jshard's ``analytic_bytes`` (the performance model's). ``jshard_options``:
     :func:`variant_step`'s keyword arguments (``apply_sgd``, and :func:`jshard_step`'s)."""
-    results = {v: _compiled(*variant_step(m, mesh, v, **jshard_options), jshard=v == "jshard") for v in variants}
+    results = {v: compiled_figures(*variant_step(m, mesh, v, **jshard_options), jshard=v == "jshard") for v in variants}
     fields = ("peak_bytes", "flops", "gathers", "gathers_overlapped", "collective_bytes")
     out: dict[str, Any] = {key: {v: r[key] for v, r in results.items()} for key in fields}
     if "jshard" in results:
@@ -321,20 +315,25 @@ def summary(rows: list[dict[str, Any]]) -> str:
       >>> summary([row])
       'worst jshard / best recipe peak: 1.500 over 1 models; above it: 1, where the best recipe moves activations: 1'
     """
-    above = [r for r in rows if round(_peak_ratio(r), 2) > 1]
-    routed = sum(r["collective_bytes"][_best_recipe(r)].get("all-to-all", 0.0) > 0 for r in above)
+    above = [r for r in rows if above_recipe(r)]
+    routed = sum(r["collective_bytes"][best_recipe(r)].get("all-to-all", 0.0) > 0 for r in above)
     return (f"worst jshard / best recipe peak: {max(map(_peak_ratio, rows)):.3f} over {len(rows)} models; "
             f"above it: {len(above)}, where the best recipe moves activations: {routed}")
 
 
-def _best_recipe(result: dict[str, Any]) -> str:
+def above_recipe(result: dict[str, Any]) -> bool:
+    """Whether jshard's peak is above the best recipe's, to two decimals of their ratio."""
+    return round(_peak_ratio(result), 2) > 1
+
+
+def best_recipe(result: dict[str, Any]) -> str:
     """The recipe variant with the lower peak."""
     return min(("recipe", "constrained"), key=lambda v: result["peak_bytes"][v])
 
 
 def _peak_ratio(result: dict[str, Any]) -> float:
     """jshard's peak over the best recipe's."""
-    return result["peak_bytes"]["jshard"] / result["peak_bytes"][_best_recipe(result)]
+    return result["peak_bytes"]["jshard"] / result["peak_bytes"][best_recipe(result)]
 
 
 def _sent(by_kind: dict[str, float]) -> str:

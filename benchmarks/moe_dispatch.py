@@ -21,33 +21,26 @@ Compile only: nothing runs, so a TPU topology this machine does not have works t
 
 from __future__ import annotations
 
-import os
+import argparse
+import dataclasses
+from typing import Any
 
-if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from jshard.demo.moe import Mixtral, MoEConfig, lm_loss  # noqa: E402
-from jshard.demo.moe_train import (  # noqa: E402
+from jshard.demo.moe import Mixtral, MoEConfig, lm_loss
+from jshard.demo.moe_train import (
     MIXTRAL_8X7B,
     MIXTRAL_SEQ_LEN,
     as_expert_mesh,
     build_mixtral,
     expert_mesh,
 )
-from jshard.report import (  # noqa: E402
+from jshard.report import (
     CompileTarget,
     Memory,
     PlanConfig,

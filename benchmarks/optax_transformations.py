@@ -13,30 +13,23 @@ sharded parameters and why. ``tests/test_optax_transformations.py`` runs the sam
 
 from __future__ import annotations
 
-import os
+import argparse
+import inspect
+import json
+import math
+import pathlib
+import warnings
+from collections.abc import Callable
+from typing import Any
 
-if "JAX_NUM_CPU_DEVICES" not in os.environ and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
 
-import argparse  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import pathlib  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import optax.contrib  # noqa: E402
-
-import jshard as js  # noqa: E402
-from jshard._state.stored_leaves import stored_leaves  # noqa: E402
+import jshard as js
+from jshard._state.stored_leaves import stored_leaves
 
 SHAPES = {"w": (15, 13), "v": (7,), "b": (1,)}
 MASK = {"w": True, "v": True, "b": False}
