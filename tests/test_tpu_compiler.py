@@ -635,3 +635,24 @@ def test_attention_matmuls_count_the_same_on_tpu_as_on_cpu():
             flops[target, variant] = memory_sweep.matmul_flops(step.lower(*args).compile().as_text())
     assert flops["tpu:v5p:2x2x2", "recipe"] == flops["cpu:8", "recipe"] == 826277888
     assert flops["tpu:v5p:2x2x2", "jshard"] == flops["cpu:8", "jshard"] == 817889280
+
+
+def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
+    """[Note: one-hot cross-entropy]: the demo's Llama loss takes one-hot labels, so its gradient
+    is elementwise and XLA:TPU has no scatter into the float32 logit gradient to offload to the
+    SparseCore (with integer labels it had one, ``f32[32,512]`` at the test size, and a second
+    logits-sized buffer for it: the Llama-3-8B plan on v5p-256 peaked at 7.38 GiB against 4.92).
+    The embedding's gradient stays a scatter, so the reading can see one."""
+    import re
+
+    from benchmarks.memory_sweep import target_mesh
+    from jshard.demo import llama3
+
+    cfg = llama3.TINY
+    mesh = target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True)
+    step, args, _ = llama3.build_nnx_model(mesh, config, cfg)
+    text = step.lower(*args).compile().as_text()
+    scatters = [line for line in text.splitlines() if re.search(r"= \S+ scatter\(|scatter_offload", line)]
+    assert any(f"bf16[{cfg.vocab},{cfg.dim}]" in line for line in scatters)  # the embedding's gradient
+    assert not [line for line in scatters if f"[{cfg.seq_len},{cfg.vocab}]" in line or "scatter_offload" in line]

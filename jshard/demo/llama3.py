@@ -124,12 +124,26 @@ class Llama(nnx.Module):
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits`` (one row per position) against the next tokens, ``tokens[:, 1:]``.
 
+    The labels are one-hot rows, not integer indices ([Note: one-hot cross-entropy]).
+
     Example:
       >>> import jax.numpy as jnp
       >>> round(float(next_token_loss(jnp.zeros((1, 2, 4)), jnp.zeros((1, 3), jnp.int32))), 4)  # uniform: log 4
       1.3863
     """
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    # [Note: one-hot cross-entropy] With integer labels the loss picks each position's label
+    # logit with a gather, whose gradient is a scatter into a zero logits-sized buffer. XLA:TPU
+    # offloads that scatter to the SparseCore, which wants the float32 logit gradient in another
+    # layout: a second logits-sized float32 buffer at the step's fullest point (libtpu 0.0.42).
+    # Against one-hot labels the gradient is softmax minus the labels, elementwise and fused.
+    # Written as logsumexp minus the label logit (MaxText's loss is one-hot too), no
+    # log-probabilities are formed: optax's ``softmax_cross_entropy`` with one-hot labels keeps
+    # them, a float32 logits-sized buffer more on XLA:CPU. The Llama-3-8B NNX plan (bf16, every
+    # layer recomputed), peak per device: v5p-256 7.38 -> 4.95 GiB (optax one-hot 4.92), 256 CPU
+    # devices 8.45 -> 8.45 (optax one-hot 8.91); FLOPs and collectives unchanged.
+    logits = logits.astype(jnp.float32)
+    labels = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=logits.dtype)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * labels, axis=-1))
 
 
 def _tokens(mesh: Any, config: PlanConfig, cfg: LlamaConfig) -> jax.ShapeDtypeStruct:
