@@ -6,7 +6,9 @@ mesh and prints each program's peak per device, its matmul FLOPs and what it sen
 
 - ``jshard``: the demo's own builder (``llama3.build_nnx_model``: the stacked blocks one unit
   under ``nnx.scan``, the root a unit, ``MixedPrecisionPolicy(bf16, reduce float32)``,
-  ``remat_policy=nothing_saveable``);
+  ``remat_policy=nothing_saveable``); ``--reduce-dtype bfloat16`` reduces its gradients in
+  bf16, as the recipe's GSPMD program does (it all-reduces the bf16 outputs of its
+  weight-gradient matmuls);
 - ``recipe``: the same module with plain ``nnx.Param`` leaves, each sharded over the mesh on
   its largest dim the devices divide (a stack's layer dim excepted), the batch sharded, the
   scan body under ``nnx.remat(policy=nothing_saveable)``: what a JAX user writes by hand.
@@ -79,10 +81,12 @@ def recipe_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int) -> tu
     return jitted, (state, tokens)
 
 
-def jshard_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int) -> tuple[Any, tuple[Any, ...]]:
-    """The demo's jshard training step of ``cfg`` and its abstract arguments."""
+def jshard_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int,
+                reduce_dtype: Any = jnp.float32) -> tuple[Any, tuple[Any, ...]]:
+    """The demo's jshard training step of ``cfg`` (gradients reduced in ``reduce_dtype``) and its
+    abstract arguments."""
     config = PlanConfig(batch_per_device=batch_per_device, remat="full", mixed_precision=True)
-    step, args, _ = llama3.build_nnx_model(mesh, config, cfg)
+    step, args, _ = llama3.build_nnx_model(mesh, config, cfg, reduce_dtype=reduce_dtype)
     return step, args
 
 
@@ -91,15 +95,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--target", default="cpu:8", help="cpu:8 (default) or a TPU topology, e.g. tpu:v5p:2x2x2")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--batch-per-device", type=int, default=1)
+    parser.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="jshard's gradient reduction dtype (the demo's float32; the recipe's is bfloat16)")
     args = parser.parse_args(argv)
     target = CompileTarget.parse(args.target)
     mesh = target_mesh(target)
     cfg = SIZES[args.size]
     print(f"NNX Llama {args.size} (dim {cfg.dim}, {cfg.layers} layers, vocabulary {cfg.vocab}, {cfg.seq_len} tokens), "
-          f"batch {args.batch_per_device} per device, compiled by {target.describe()}")
+          f"batch {args.batch_per_device} per device, jshard reducing in {args.reduce_dtype}, "
+          f"compiled by {target.describe()}")
+    builds = {"recipe": lambda: recipe_step(mesh, cfg, args.batch_per_device),
+              "jshard": lambda: jshard_step(mesh, cfg, args.batch_per_device, jnp.dtype(args.reduce_dtype))}
     results = {}
-    for name, build in (("recipe", recipe_step), ("jshard", jshard_step)):
-        results[name] = r = compiled_figures(*build(mesh, cfg, args.batch_per_device))
+    for name, build in builds.items():
+        results[name] = r = compiled_figures(*build())
         sent = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["collective_bytes"].items() if v)
         print(f"{name}: peak {r['peak_bytes'] / 2**20:.1f} MiB, matmul {r['flops'] / 1e9:.3f} GFLOP, "
               f"sends MiB: {sent}", flush=True)

@@ -155,6 +155,10 @@ def test_llama_recipe_compiles_both_steps_with_the_same_matmuls(capsys):
     assert results["jshard"]["collective_bytes"]["reduce-scatter"] > 0
     assert results["recipe"]["collective_bytes"]["all-reduce"] > results["jshard"]["collective_bytes"]["all-reduce"]
     assert "jshard / recipe: peak" in capsys.readouterr().out
+    # like the recipe's: the same reductions in bf16, half the bytes
+    bf16 = llama_recipe.main(["--size", "tiny", "--reduce-dtype", "bfloat16"])["jshard"]
+    assert 2 * bf16["collective_bytes"]["reduce-scatter"] == results["jshard"]["collective_bytes"]["reduce-scatter"]
+    assert bf16["flops"] == results["jshard"]["flops"]
 
 
 def test_quick_gather_options(tmp_path):

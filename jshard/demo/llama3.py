@@ -151,21 +151,23 @@ def _tokens(mesh: Any, config: PlanConfig, cfg: LlamaConfig) -> jax.ShapeDtypeSt
                                 sharding=NamedSharding(mesh, data_spec(mesh)))
 
 
-def _policies(config: PlanConfig) -> dict[str, Any]:
-    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if config.mixed_precision \
+def _policies(config: PlanConfig, reduce_dtype: Any = jnp.float32) -> dict[str, Any]:
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype) if config.mixed_precision \
         else js.MixedPrecisionPolicy()
     return {"mp_policy": mp, "offload_policy": js.CPUOffloadPolicy() if config.offload else js.OffloadPolicy()}
 
 
-def build_nnx_model(mesh: Any, config: PlanConfig, cfg: LlamaConfig) -> tuple[Any, tuple]:
-    """The NNX Llama of shape ``cfg``: the training step and its abstract arguments."""
+def build_nnx_model(mesh: Any, config: PlanConfig, cfg: LlamaConfig,
+                    reduce_dtype: Any = jnp.float32) -> tuple[Any, tuple]:
+    """The NNX Llama of shape ``cfg``: the training step and its abstract arguments
+    (``reduce_dtype``: the gradients' reduction dtype under ``config.mixed_precision``)."""
     from jshard.flax import nnx as jnnx
 
     cfg = dataclasses.replace(cfg, dtype="bfloat16" if config.mixed_precision else "float32")
     model = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))  # abstract: nothing allocated
     jnnx.fully_shard(model.blocks, mesh, js.FullyShardPolicy(
-        scan_axis=0, reshard_after_forward=config.reshard_after_forward, **_policies(config)))
-    jnnx.fully_shard(model, mesh, js.FullyShardPolicy(**_policies(config)))
+        scan_axis=0, reshard_after_forward=config.reshard_after_forward, **_policies(config, reduce_dtype)))
+    jnnx.fully_shard(model, mesh, js.FullyShardPolicy(**_policies(config, reduce_dtype)))
     tx = jnnx.shard_optimizer(model, optax.adamw(1e-4))
     optimizer = nnx.eval_shape(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param), model)
     graphdef, state = nnx.split((model, optimizer))
