@@ -641,7 +641,7 @@ def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
     """[Note: one-hot cross-entropy]: the demo's Llama loss takes one-hot labels, so its gradient
     is elementwise and XLA:TPU has no scatter into the float32 logit gradient to offload to the
     SparseCore (with integer labels it had one, ``f32[32,512]`` at the test size, and a second
-    logits-sized buffer for it: the Llama-3-8B plan on v5p-256 peaked at 7.38 GiB against 4.92).
+    logits-sized buffer for it: the Llama-3-8B plan on v5p-256 peaked at 7.38 GiB against 4.95).
     The embedding's gradient stays a scatter, so the reading can see one."""
     import re
 
