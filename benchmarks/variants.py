@@ -15,7 +15,10 @@
   all-gather and one reduce-scatter per layer (and for the root unit) through a flat buffer.
 
 All of them run the same loss (``jshard/demo/model.py``) and the same AdamW update,
-on the same devices and global batch. Each block is recomputed in backward: with
+on the same devices and global batch. Given abstract inputs (``model_inputs(...,
+abstract=True)``), :func:`prepare` places nothing: its arguments are ``jax.ShapeDtypeStruct``
+leaves with their shardings, to compile for devices this process cannot run on (a TPU
+topology's, compile only). Each block is recomputed in backward: with
 ``jax.checkpoint`` under ``lax.scan``, and with a ``custom_vjp`` under ``js.scan``, whose
 remat policy would override a ``jax.checkpoint`` in its body (see
 ``recompute_in_backward``).
@@ -35,6 +38,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jshard as js
 from jshard.demo import model as T
+from jshard.report import abstract_result
 
 VARIANTS = ("replicated", "gspmd", "jshard")
 EXTRA_VARIANTS = ("gspmd_constrained", "jshard_unit")
@@ -56,9 +60,31 @@ def _gspmd_spec(path: Any, x: Any) -> PartitionSpec:
     return PartitionSpec("fsdp") if x.ndim >= 1 else PartitionSpec()
 
 
+def _abstract(tree: Any) -> bool:
+    return all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def _place(tree: Any, shardings: Any) -> Any:
+    """``tree`` on ``shardings``: put there, or, abstract, given them."""
+    if _abstract(tree):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return jax.device_put(tree, shardings)
+
+
 def _with_shardings(tree: Any, specs: Any, mesh: Any) -> tuple[Any, Any]:
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    return jax.device_put(tree, shardings), shardings
+    return _place(tree, shardings), shardings
+
+
+def _optimizer_state(optimizer: Any, params: Any, mesh: Any) -> Any:
+    """``optimizer.init(params)`` as :func:`jshard.demo.model.init_opt_state` places it (leaves
+    that follow no parameter replicated on ``mesh``), abstract where the parameters are."""
+    if not _abstract(params):
+        return T.init_opt_state(optimizer, params, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state = abstract_result(optimizer.init, params)
+    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else
+                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
 
 
 def _batch_sharded_blocks(mesh: Any) -> T.RunBlocks:
@@ -82,7 +108,7 @@ def _plain(config, params, tokens, devices, optimizer, sharded: bool, constraine
     else:
         specs = jax.tree.map(lambda x: PartitionSpec(), params)
     params, param_sh = _with_shardings(params, specs, mesh)
-    opt_state = T.init_opt_state(optimizer, params, mesh)
+    opt_state = _optimizer_state(optimizer, params, mesh)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     tokens_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
     run_blocks = _batch_sharded_blocks(mesh) if constrained else T.lax_scan_blocks
@@ -91,20 +117,24 @@ def _plain(config, params, tokens, devices, optimizer, sharded: bool, constraine
         in_shardings=(param_sh, opt_sh, tokens_sh),
         out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
     )
-    return Prepared(step, (params, opt_state, jax.device_put(tokens, tokens_sh)))
+    return Prepared(step, (params, opt_state, _place(tokens, tokens_sh)))
 
 
 def _jshard(config, params, tokens, devices, optimizer, unit_collectives: bool = False) -> Prepared:
     mesh = js.make_mesh(devices=devices)
     sharded = T.shard_lm(params, mesh, unit_collectives=unit_collectives)
     optimizer = js.shard_optimizer(optimizer)
-    opt_state = optimizer.init(sharded)
-    tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("fsdp")))
+    opt_state = abstract_result(optimizer.init, sharded) if _abstract(params) else optimizer.init(sharded)
+    tokens = _place(tokens, NamedSharding(mesh, PartitionSpec("fsdp")))
     return Prepared(jax.jit(T.jshard_train_step(config, optimizer)), (sharded, opt_state, tokens))
 
 
-def model_inputs(config: T.TransformerConfig, batch: int, seed: int = 0) -> tuple[Any, jax.Array]:
-    """Initial parameters and one batch of tokens, the same for every variant."""
+def model_inputs(config: T.TransformerConfig, batch: int, seed: int = 0,
+                 abstract: bool = False) -> tuple[Any, jax.Array]:
+    """Initial parameters and one batch of tokens, the same for every variant; ``abstract``:
+    their shapes and dtypes only (``jax.ShapeDtypeStruct``), nothing allocated."""
+    if abstract:
+        return T.abstract_params(config), jax.ShapeDtypeStruct((batch, config.seq_len + 1), jnp.int32)
     key_params, key_tokens = jax.random.split(jax.random.key(seed))
     params = jax.jit(functools.partial(T.init_params, config))(key_params)
     tokens = jax.random.randint(key_tokens, (batch, config.seq_len + 1), 0, config.vocab, jnp.int32)
@@ -112,7 +142,8 @@ def model_inputs(config: T.TransformerConfig, batch: int, seed: int = 0) -> tupl
 
 
 def prepare(variant: str, config: T.TransformerConfig, devices: list[Any], params: Any, tokens: jax.Array) -> Prepared:
-    """The jitted step of ``variant`` and its arguments, placed on ``devices``."""
+    """The jitted step of ``variant`` and its arguments, placed on ``devices`` (abstract inputs:
+    abstract arguments with their shardings, for ``step.lower(*args).compile()``)."""
     optimizer = optax.adamw(1e-3)
     if variant in ("jshard", "jshard_unit"):
         return _jshard(config, params, tokens, devices, optimizer, unit_collectives=variant == "jshard_unit")

@@ -39,6 +39,29 @@ def test_quick_comparison(tmp_path):
     assert "| jshard |" in done.stdout
 
 
+def test_comparison_compiles_for_a_tpu_topology(tmp_path):
+    """``compare --target tpu:v5p-8``: the three steps compiled by XLA:TPU for the topology's 4
+    chips from abstract arguments, peaks and collectives read, no step times."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", "--quick", "--target", "tpu:v5p-8", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "compare_tpu_v5p-8.json").read_text())
+    assert (results["target"], results["backend"]) == ("tpu:v5p-8", "tpu") and "v5" in results["device_kind"]
+    assert not (tmp_path / "compare.png").exists()
+    (case,) = results["cases"]
+    assert case["devices"] == 4 and set(case["variants"]) == {"replicated", "gspmd", "jshard"}
+    for r in case["variants"].values():
+        assert set(r) >= FIELDS - {"step_seconds"} and "step_seconds" not in r and r["peak_bytes"] > 0
+        assert r["vs_gspmd"]["step_time"] is None
+    jshard, gspmd = case["variants"]["jshard"], case["variants"]["gspmd"]
+    assert jshard["collective_bytes"].get("reduce-scatter", 0) > 0
+    assert jshard["collective_bytes_total"] <= gspmd["collective_bytes_total"]
+    assert jshard["peak_bytes"] <= gspmd["peak_bytes"]
+    assert "| jshard |" in done.stdout and "XLA:TPU v5p:2x2x1" in done.stdout
+
+
 def test_quick_memory_sweep(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.memory_sweep", "--quick", "--out", str(tmp_path)],
