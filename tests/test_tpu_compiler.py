@@ -656,3 +656,25 @@ def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
     scatters = [line for line in text.splitlines() if re.search(r"= \S+ scatter\(|scatter_offload", line)]
     assert any(f"bf16[{cfg.vocab},{cfg.dim}]" in line for line in scatters)  # the embedding's gradient
     assert not [line for line in scatters if f"[{cfg.seq_len},{cfg.vocab}]" in line or "scatter_offload" in line]
+
+
+# Compiling the 8B programs for 128 chips takes 2 (NNX) and 4 (Hugging Face, 32 unrolled layers)
+# minutes here: the slow run.
+@pytest.mark.slow
+@pytest.mark.parametrize("build, peak_mib", [("build_nnx", 5064.3), ("build_hf", 8179.1)])
+def test_llama3_8b_plans_on_the_tpu_compiler_as_docs_planning_says(build, peak_mib):
+    """docs/planning.md's Llama-3-8B plans on XLA:TPU (v5p-256: 128 chips; bf16 parameters, float32
+    reduction, every layer recomputed): arguments at the analytic figure, reduce-scatters within
+    0.1% of it (the phases' padding), all-gathers at it or one decoder layer's gather short (the
+    Hugging Face model's last layer's re-gather, merged with its forward gather), 221.3 MiB of
+    all-reduce (the output matrix's last phase) and the peak as measured."""
+    p = plan(f"jshard.demo.llama3:{build}", target="tpu:v5p-256",
+             config=PlanConfig(mixed_precision=True, remat="full"))
+    a, mib = p.report.analytic, 2.0**20
+    wire = p.report.collective_bytes
+    assert p.platform == "tpu" and a.devices == 128 and a.params == 8_030_261_248
+    assert p.report.memory.argument == pytest.approx(a.argument_bytes, rel=1e-3)
+    assert wire["reduce-scatter"] == pytest.approx(a.reduce_scatter, rel=1e-3)
+    assert 0 <= a.all_gather - wire["all-gather"] <= 413 * mib
+    assert wire["all-reduce"] / mib == pytest.approx(221.3, abs=0.1)
+    assert p.report.memory.peak / mib == pytest.approx(peak_mib, abs=1.0)
