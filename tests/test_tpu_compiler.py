@@ -665,9 +665,10 @@ def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
 def test_llama3_8b_plans_on_the_tpu_compiler_as_docs_planning_says(build, peak_mib):
     """docs/planning.md's Llama-3-8B plans on XLA:TPU (v5p-256: 128 chips; bf16 parameters, float32
     reduction, every layer recomputed): arguments at the analytic figure, reduce-scatters within
-    0.1% of it (the phases' padding), all-gathers at it or one decoder layer's gather short (the
-    Hugging Face model's last layer's re-gather, merged with its forward gather), 221.3 MiB of
-    all-reduce (the output matrix's last phase) and the peak as measured."""
+    0.1% of it (the phases' padding more, the output matrix's last phase less: XLA:TPU makes that
+    one an all-reduce, 221.3 MiB), all-gathers at it or one decoder layer's gather short (the
+    Hugging Face model's last layer's re-gather, merged with its forward gather) and the peak as
+    measured."""
     p = plan(f"jshard.demo.llama3:{build}", target="tpu:v5p-256",
              config=PlanConfig(mixed_precision=True, remat="full"))
     a, mib = p.report.analytic, 2.0**20
