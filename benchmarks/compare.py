@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_compile_arguments(parser)
     args = parser.parse_args(argv)
     target, said = compile_target(args)
-    pool = target.tpu_devices() if target.platform == "tpu" else jax.devices()
+    pool = target.tpu_devices() if target.platform == "tpu" else jax.devices()[: target.devices]
     sizes = args.sizes or (["tiny"] if args.quick else ["tiny", "small", "medium"])
     counts = args.devices or ([min(8, len(pool))] if args.quick else [n for n in (1, 2, 4, 8) if n <= len(pool)])
     rounds = args.rounds or (3 if args.quick else 15)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {
         "quick": args.quick,
         "rounds": rounds,
-        "target": args.target if target.platform == "tpu" else "cpu",
+        "target": args.target,
         "backend": pool[0].platform,
         "device_kind": pool[0].device_kind,
         "cpu_count": os.cpu_count(),
