@@ -76,17 +76,6 @@ def _with_shardings(tree: Any, specs: Any, mesh: Any) -> tuple[Any, Any]:
     return _place(tree, shardings), shardings
 
 
-def _optimizer_state(optimizer: Any, params: Any, mesh: Any) -> Any:
-    """``optimizer.init(params)`` as :func:`jshard.demo.model.init_opt_state` places it (leaves
-    that follow no parameter replicated on ``mesh``), abstract where the parameters are."""
-    if not _abstract(params):
-        return T.init_opt_state(optimizer, params, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    state = abstract_result(optimizer.init, params)
-    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else
-                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
-
-
 def _batch_sharded_blocks(mesh: Any) -> T.RunBlocks:
     """``lax.scan`` over blocks with each block's input and output constrained to batch sharding."""
     batch = NamedSharding(mesh, PartitionSpec("fsdp"))
@@ -108,7 +97,7 @@ def _plain(config, params, tokens, devices, optimizer, sharded: bool, constraine
     else:
         specs = jax.tree.map(lambda x: PartitionSpec(), params)
     params, param_sh = _with_shardings(params, specs, mesh)
-    opt_state = _optimizer_state(optimizer, params, mesh)
+    opt_state = T.init_opt_state(optimizer, params, mesh)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     tokens_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
     run_blocks = _batch_sharded_blocks(mesh) if constrained else T.lax_scan_blocks

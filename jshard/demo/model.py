@@ -258,12 +258,24 @@ def init_opt_state(optimizer: Any, params: Any, mesh: Any) -> Any:
 
     Run eagerly, so the state keeps each parameter's sharding and memory kind (offloaded
     state stays in host memory); a count made on one device would be refused by a step
-    over the whole mesh.
+    over the whole mesh. Abstract ``params`` (``jax.ShapeDtypeStruct`` with shardings) give
+    the abstract state, placed the same way (``jshard.report.abstract_result``).
     """
+    from jshard.report import abstract_result
+
     replicated = NamedSharding(mesh, PartitionSpec())
-    with jax.set_mesh(mesh):
-        state = optimizer.init(params)
-    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated), state)
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        state = abstract_result(optimizer.init, params)
+
+        def place(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+    else:
+        with jax.set_mesh(mesh):
+            state = optimizer.init(params)
+
+        def place(x):
+            return jax.device_put(x, replicated)
+    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) else place(x), state)
 
 
 def jshard_train_step(config: TransformerConfig, optimizer: Any, remat: str = "custom_vjp",
