@@ -156,6 +156,39 @@ def test_large_gradients_are_padded_to_the_size_xla_tpu_reduce_scatters_natively
     assert grads * 7 / 8 <= sent["reduce-scatter"] <= 1.05 * grads * 7 / 8
 
 
+def _small_unit_builder(mesh, config=None):
+    """Two layers of a matrix and a bias each, one unit per layer, one collective per unit: each
+    device's flat buffer holds 64 * 96 / 8 + 96 / 8 = 780 elements, not a multiple of 128."""
+    sds = jax.ShapeDtypeStruct
+    policy = js.FullyShardPolicy(unit_collectives=True)
+    layers = [js.fully_shard({"w": sds((64, 96), jnp.float32), "b": sds((96,), jnp.float32)}, mesh, policy)
+              for _ in range(2)]
+    params = js.fully_shard({"layers": layers, "head": sds((96, 64), jnp.float32)}, mesh)
+
+    def loss_fn(p, x):
+        for layer in p["layers"]:
+            layer = js.unshard(layer)
+            x = jnp.tanh(x @ layer["w"] + layer["b"])[:, :64]
+        return jnp.mean(x ** 2)
+
+    step = jax.jit(js.value_and_grad(loss_fn, unshard_params=False), donate_argnums=0)
+    return step, (params, sds((64, 64), jnp.float32))
+
+
+def test_a_units_flat_buffer_is_gathered_in_whole_tiles_on_tpu():
+    """[Note: unit collectives]: XLA:TPU compiles the gather of a flat buffer whose shard is not a
+    multiple of 128 elements as an all-reduce of the zero-filled gathered buffer (twice the
+    bytes); padded to whole 1024-element tiles, each unit's buffer is one all-gather at the ring
+    bytes (measured before: no all-gather, 114.7 KiB more all-reduce)."""
+    p = plan(_small_unit_builder, target="tpu:v5p:2x2x2")
+    sent = p.report.collective_bytes
+    buffer = 1024 * 4  # 780 elements a device, padded to one tile of float32
+    assert 2 * buffer * 7 <= sent["all-gather"] <= 4 * buffer * 7  # forward; backward re-gathers
+    # The gradients' buffers (8 tiles each) are all that is all-reduced besides the loss: at this
+    # size XLA:TPU all-reduces a reduce-scatter over the 3-D torus ([Note: torus phases]).
+    assert sent["all-reduce"] <= 2 * 8 * buffer * 2 * 7 / 8 + 64
+
+
 def test_v5e_and_v6e_reduce_in_phases_where_one_reduce_scatter_would_be_an_all_reduce():
     """[Note: torus phases]: on 4x4 and 8x8 v5e/v6e slices XLA:TPU makes one reduce-scatter over
     every chip an all-reduce (a 2x4 slice keeps it); there jshard reduces in two phases of 4

@@ -9,6 +9,14 @@ chunks laid side by side into ``(N, S)``, and one ``psum_scatter`` over dim 0 le
 device its own row: its shards of every leaf, in order. Both follow the TPU torus in phases
 where the leaves' own collectives would ([Note: torus phases]). Leaves of the unit that do not
 qualify keep their own collectives.
+
+On TPU both work on whole tiles of ``TPU_TILE`` elements, the tile XLA:TPU lays a
+one-dimensional buffer out in. Each device's vector is padded to a whole number of tiles
+before the gather: XLA:TPU compiles a gather whose shard is not a multiple of 128 elements
+as an *all-reduce* of the zero-filled gathered buffer (libtpu 0.0.42, v5p, bf16 / f32 / u8:
+``[98592]`` shards become an all-reduce of ``[788736]``, ``[98304]`` and ``[98560]`` stay
+all-gathers), twice the bytes. The reduce-scatter reshapes the buffer into tiles for
+[Note: scatter padding].
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from jshard._step import collectives as C
 from jshard._step.gather import LeafComm
 from jshard._step.offload import to_device, to_host
 from jshard._step.remat import pack, unpad_gathered
+
+TPU_TILE = 1024  # elements of a one-dimensional buffer's tile on XLA:TPU ([Note: unit collectives])
 
 
 def joins_unit_buffer(comm: LeafComm, reshard_after_forward: bool | int) -> bool:
@@ -51,8 +61,10 @@ def _rows(comm: LeafComm) -> tuple[int, int, int]:
 
 def _gather(comms: Sequence[LeafComm], shards: Sequence[jax.Array]) -> list[jax.Array]:
     comm0 = comms[0]
-    flat = pack([to_device(s, c.offloaded).astype(c.param_dtype).ravel()
-                 for c, s in zip(comms, shards, strict=True)])
+    vectors = [to_device(s, c.offloaded).astype(c.param_dtype).ravel() for c, s in zip(comms, shards, strict=True)]
+    if comm0.axes.tpu_mesh is not None:  # whole tiles, packed too (the policy saves no copy of the shards)
+        vectors.append(jnp.zeros(-sum(v.shape[0] for v in vectors) % TPU_TILE, vectors[0].dtype))
+    flat = pack(vectors)
     full = C.all_gather(flat[None], comm0.axes.shard, 0, phases=comm0.axes.gather_phases)  # (N, S): one collective
     n, out, offset = full.shape[0], [], 0
     for c in comms:
@@ -116,9 +128,8 @@ def _scatter_rows(comm0: LeafComm, flat: jax.Array) -> jax.Array:
     if axes.tpu_mesh is None:
         return C.reduce_scatter(flat, axes.shard, 0, phases)[0]
     n, size = flat.shape
-    width = 1024
-    rows = -(-size // width)
-    tiles = jnp.pad(flat, ((0, 0), (0, rows * width - size))).reshape(n * rows, width)
+    rows = -(-size // TPU_TILE)
+    tiles = jnp.pad(flat, ((0, 0), (0, rows * TPU_TILE - size))).reshape(n * rows, TPU_TILE)
     sizes = scatter_sizes(axes.tpu_mesh, axes.shard, phases, tiles.shape, tiles.dtype, 0)
     return C.reduce_scatter(tiles, axes.shard, 0, phases, sizes).reshape(-1)[:size]
 
