@@ -53,6 +53,7 @@ def _measure_compiled(prepared) -> dict[str, Any]:
         "argument_bytes": memory.argument,
         "temp_bytes": memory.temp,
         "output_bytes": memory.output,
+        "xla_peak_bytes": memory.xla_peak,  # peak_memory_in_bytes, as XLA reports it
         "collective_bytes": {k: v for k, v in by_kind.items() if v},
         "collective_bytes_total": sum(by_kind.values()),
         "compiled": compiled,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIELDS = {"peak_bytes", "argument_bytes", "temp_bytes", "output_bytes", "collective_bytes",
+FIELDS = {"peak_bytes", "xla_peak_bytes", "argument_bytes", "temp_bytes", "output_bytes", "collective_bytes",
           "collective_bytes_total", "step_seconds", "vs_gspmd"}
 
 
