@@ -130,11 +130,34 @@ def test_scaling_fits_the_sharded_state_over_n(tmp_path):
     assert "fit: peak =" in str(s)
 
 
+@pytest.mark.parametrize("build", ["jshard.demo.plan:build_tiny", "jshard.demo.llama3:build_nnx_tiny",
+                                   "jshard.demo.llama3:build_hf_tiny"])
+def test_a_plan_keeps_small_leaves_whole_with_replicate_below(build):
+    """``plan --replicate-below N`` (``PlanConfig.replicate_below``) reaches the demo's builders: the
+    vectors (norm scales) stay whole, so each device holds them in full, the analytic figures
+    agree, and fewer bytes are gathered."""
+    from jshard._plan.cli import _config
+
+    args = parser().parse_args(["plan", build, "--replicate-below", "4096"])
+    config = _config(args)
+    assert config.replicate_below == 4096 and "leaves under 4096 whole" in config.describe()
+    sharded = plan(build, devices=8, config=PlanConfig())
+    whole = plan(build, devices=8, config=config)
+    for p in (sharded, whole):
+        assert p.report.memory.argument == p.report.analytic.argument_bytes
+    assert whole.report.memory.argument > sharded.report.memory.argument
+    assert whole.report.collective_bytes["all-gather"] < sharded.report.collective_bytes["all-gather"]
+
+
 def test_plan_config_and_targets_are_checked():
     with pytest.raises(ValueError, match="remat must be one of"):
         PlanConfig(remat="some")
     with pytest.raises(ValueError, match="batch_per_device must be a positive int"):
         PlanConfig(batch_per_device=0)
+    with pytest.raises(ValueError, match=r"replicate_below must be a non-negative int .* got -1; 0 shards every"):
+        PlanConfig(replicate_below=-1)
+    with pytest.raises(ValueError, match=r"replicate_below must be a non-negative int .* got True"):
+        PlanConfig(replicate_below=True)
     with pytest.raises(ValueError, match="A plan target is 'pkg.module:build'"):
         plan("jshard.demo.plan", devices=8)
     with pytest.raises(ValueError, match="has no attribute 'build_2b'"):

@@ -59,6 +59,8 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=REMATS, default="default")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 params and all-gather, fp32 reduce")
     parser.add_argument("--offload", action="store_true", help="state in pinned host memory")
+    parser.add_argument("--replicate-below", type=int, default=0, metavar="N",
+                        help="keep leaves under N elements whole on every device (default 0: shard every leaf)")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # a PlanConfig as JSON (planning subprocesses)
 
 
@@ -66,7 +68,7 @@ def _config(args: argparse.Namespace) -> PlanConfig:
     if args.config:
         return PlanConfig(**json.loads(args.config))
     return PlanConfig(args.batch_per_device, not args.no_reshard_after_forward, args.remat, args.mixed_precision,
-                      args.offload)
+                      args.offload, args.replicate_below)
 
 
 def parser() -> argparse.ArgumentParser:

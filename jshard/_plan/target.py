@@ -36,6 +36,10 @@ class PlanConfig:
         ``"dots"`` (``dots_with_no_batch_dims_saveable``: matmul outputs kept).
       mixed_precision: bf16 parameters for compute and all-gather, fp32 reduction.
       offload: parameters, gradients and optimizer state in pinned host memory.
+      replicate_below: ``FullyShardPolicy(replicate_below=...)`` for the units: leaves under
+        this many elements (biases, norm scales) kept whole on every device; ``0`` shards every
+        leaf. On XLA:TPU the training step's peak is lower with vectors whole in most models
+        (docs/planning.md); plan both.
 
     Example:
       >>> from jshard.report import PlanConfig
@@ -48,6 +52,7 @@ class PlanConfig:
     remat: str = "default"
     mixed_precision: bool = False
     offload: bool = False
+    replicate_below: int = 0
 
     def __post_init__(self):
         if isinstance(self.batch_per_device, bool) or not isinstance(self.batch_per_device, int) \
@@ -58,6 +63,10 @@ class PlanConfig:
         for name in ("reshard_after_forward", "mixed_precision", "offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PlanConfig.{name} must be a bool, got {getattr(self, name)!r}.")
+        below = self.replicate_below
+        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+            raise ValueError(f"PlanConfig.replicate_below must be a non-negative int (a number of elements), "
+                             f"got {below!r}; 0 shards every leaf.")
 
     def remat_policy(self) -> Callable[..., Any] | None:
         """The ``remat_policy`` to hand ``js.value_and_grad`` (``None`` for jshard's default)."""
@@ -71,7 +80,8 @@ class PlanConfig:
         return (f"batch {self.batch_per_device}/device, "
                 + ("raf" if self.reshard_after_forward else "no raf") + f", remat {self.remat}, "
                 + ("bf16/fp32" if self.mixed_precision else "fp32") + ", "
-                + ("offload" if self.offload else "on device"))
+                + ("offload" if self.offload else "on device")
+                + (f", leaves under {self.replicate_below} whole" if self.replicate_below else ""))
 
 
 def abstract_result(fn: Callable[..., Any], *args: Any) -> Any:

@@ -154,7 +154,8 @@ def _tokens(mesh: Any, config: PlanConfig, cfg: LlamaConfig) -> jax.ShapeDtypeSt
 def _policies(config: PlanConfig, reduce_dtype: Any = jnp.float32) -> dict[str, Any]:
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype) if config.mixed_precision \
         else js.MixedPrecisionPolicy()
-    return {"mp_policy": mp, "offload_policy": js.CPUOffloadPolicy() if config.offload else js.OffloadPolicy()}
+    return {"mp_policy": mp, "offload_policy": js.CPUOffloadPolicy() if config.offload else js.OffloadPolicy(),
+            "replicate_below": config.replicate_below}
 
 
 def build_nnx_model(mesh: Any, config: PlanConfig, cfg: LlamaConfig,

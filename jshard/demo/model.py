@@ -221,8 +221,9 @@ def place_tensor_parallel(params: Any, mesh: Any) -> Any:
 
 def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None,
              custom_all_gather: Any = None, unit_collectives: bool = False,
-             reshard_after_forward: bool = True) -> Any:
-    """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit."""
+             reshard_after_forward: bool = True, replicate_below: int = 0) -> Any:
+    """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit;
+    ``replicate_below``: leaves under that many elements (per layer) kept whole."""
     import jshard as js
 
     kwargs = {
@@ -230,6 +231,7 @@ def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any 
         "offload_policy": offload_policy or js.OffloadPolicy(),
         "custom_all_gather": custom_all_gather,
         "unit_collectives": unit_collectives,
+        "replicate_below": replicate_below,
     }
     blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(
         scan_axis=0, reshard_after_forward=reshard_after_forward, **kwargs))
