@@ -291,3 +291,19 @@ def test_the_step_report_names_each_units_shard_size():
     grad_fn = js.value_and_grad(lambda p, t: lm_loss(nnx.merge(graphdef, p), t))
     report = step_report(grad_fn, shard_mixtral(params, mesh), tokens)
     assert "shard sizes N=8 / 2 (units on different axes)" in format_report(report).splitlines()[0]
+
+
+def test_the_mixtral_plan_builder_refuses_settings_it_does_not_read():
+    """``build_mixtral`` writes its step one way: a plan asking for offload, another remat,
+    resharding or small leaves kept whole would be planned without them, so it is refused."""
+    from jshard.demo.moe_train import build_mixtral
+    from jshard.report import PlanConfig
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    with pytest.raises(ValueError, match=r"reads only batch_per_device and mixed_precision .* \{'offload': True\}"):
+        build_mixtral(mesh, PlanConfig(offload=True), cfg=dataclasses.replace(CFG, expert_axis="expert"))
+    with pytest.raises(ValueError, match=r"'remat': 'full', 'replicate_below': 64"):
+        build_mixtral(mesh, PlanConfig(remat="full", replicate_below=64), cfg=CFG)
+    step, args = build_mixtral(mesh, PlanConfig(batch_per_device=1), cfg=dataclasses.replace(CFG, expert_axis="expert"),
+                               seq_len=8)
+    assert args[2].shape == (8, 9)

@@ -196,6 +196,11 @@ def build_mixtral(mesh: Mesh, config: Any = None, cfg: MoEConfig = MIXTRAL_8X7B,
     from jshard.report import PlanConfig, abstract_result
 
     config = config or PlanConfig()
+    unread = {name: getattr(config, name) for name in ("reshard_after_forward", "remat", "offload", "replicate_below")
+              if getattr(config, name) != getattr(PlanConfig(), name)}
+    if unread:
+        raise ValueError(f"build_mixtral reads only batch_per_device and mixed_precision of its PlanConfig, "
+                         f"not {unread}: plan it without them.")
     mesh = as_expert_mesh(mesh, cfg.experts)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Mixtral(cfg, nnx.Rngs(0))))
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32) if config.mixed_precision \
