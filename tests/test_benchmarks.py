@@ -224,3 +224,40 @@ def test_sweep_training_steps_apply_sgd_alike_in_every_variant():
         for g, w, v in zip(got, want, jax.tree.leaves(values), strict=True):
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6, err_msg=variant)
             assert not np.allclose(np.asarray(g), v), variant  # the parameters moved
+
+
+@pytest.mark.parametrize("model", [("tanh", False, 2, 64, 16, False), ("gelu", True, 2, 64, 16, True)],
+                         ids=["tanh unrolled fp32", "gelu stacked bf16"])
+def test_weight_gradient_routes_train_as_the_recipe(model):
+    """``benchmarks.weight_gradient_route``: both hand-written FSDP steps apply the recipe's SGD
+    step (the gradient formed from gathered activations is the reduced one), and the activations
+    route sends all-to-alls and all-gathers where the weights route reduce-scatters."""
+    from benchmarks import memory_sweep, weight_gradient_route
+    from jshard.report import CompileTarget
+
+    kind, stacked, layers, width, batch, bf16 = model
+    m = memory_sweep.Model(kind, stacked, layers, width, batch, remat=False, bf16=bf16)
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("cpu:8"))
+    rng = np.random.default_rng(0)
+    _, (abstract, x) = memory_sweep.variant_step(m, mesh, "recipe")
+    values = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / 8, abstract)
+    x = rng.standard_normal(x.shape, np.float32)
+
+    def run(step, params):
+        concrete = jax.tree.map(lambda a, v: jax.device_put(v, a.sharding), params, values)
+        return jax.tree.leaves(step(concrete, x)[1])
+
+    recipe, (params, _) = memory_sweep.variant_step(m, mesh, "recipe", apply_sgd=True)
+    want = run(recipe, params)
+    tolerance = 2e-2 if bf16 else 1e-5
+    for route in weight_gradient_route.ROUTES:
+        step, (params, _) = weight_gradient_route.step(m, mesh, route)
+        for got, w, v in zip(run(step, params), want, jax.tree.leaves(values), strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=tolerance, atol=tolerance / 10,
+                                       err_msg=route)
+            assert not np.allclose(np.asarray(got), v), route  # the parameters moved
+    figures = weight_gradient_route.measure(m, mesh)
+    sent = {route: figures[route]["collective_bytes"] for route in weight_gradient_route.ROUTES}
+    assert sent["weights"]["reduce-scatter"] > 0 and sent["weights"]["all-to-all"] == 0
+    assert sent["activations"]["reduce-scatter"] == 0 and sent["activations"]["all-to-all"] > 0
+    assert figures["activations"]["flops"] == figures["weights"]["flops"]
