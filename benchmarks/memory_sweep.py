@@ -37,10 +37,11 @@ once per process) and writes ``memory_sweep_<target>_async.json``. ``--replicate
 compiles jshard's steps with ``FullyShardPolicy(replicate_below=N)`` (leaves under ``N``
 elements kept whole on every device) and adds ``_replicate_below_N`` to the file's name;
 ``--no-backward-prefetch`` compiles them with ``value_and_grad(backward_prefetch=False)``
-(``_no_backward_prefetch``). ``--apply-sgd`` compiles every variant's step as a training step
-that applies its gradients (plain SGD, the parameters donated and returned updated; ``_sgd``):
-there the parameters live until the update, where the gradient-only step may use their donated
-buffers as scratch once it has read them.
+(``_no_backward_prefetch``); ``--weight-gradients from_activations`` compiles them with
+``FullyShardPolicy(weight_gradients="from_activations")`` (``_from_activations``). ``--apply-sgd``
+compiles every variant's step as a training step that applies its gradients (plain SGD, the
+parameters donated and returned updated; ``_sgd``): there the parameters live until the update,
+where the gradient-only step may use their donated buffers as scratch once it has read them.
 """
 
 from __future__ import annotations
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
     parser.add_argument("--replicate-below", type=int, default=0,
                         help="jshard's FullyShardPolicy(replicate_below=N): leaves under N elements kept whole")
+    parser.add_argument("--weight-gradients", default="reduced", choices=("reduced", "from_activations"),
+                        help="jshard's FullyShardPolicy(weight_gradients=...)")
     parser.add_argument("--no-backward-prefetch", action="store_true",
                         help="jshard's value_and_grad(backward_prefetch=False)")
     parser.add_argument("--apply-sgd", action="store_true",
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
           "gathers overlapped: jshard (recipes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in [m for m in models(args.quick) if args.only in m.name]:
-        result = measure(m, mesh, replicate_below=args.replicate_below,
+        result = measure(m, mesh, replicate_below=args.replicate_below, weight_gradients=args.weight_gradients,
                          backward_prefetch=not args.no_backward_prefetch, apply_sgd=args.apply_sgd)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})
         mib = {k: v / 2**20 for k, v in result["peak_bytes"].items()}
@@ -387,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "memory_sweep" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}"
     name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"
     name += f"_replicate_below_{args.replicate_below}" if args.replicate_below else ""
+    name += "_from_activations" if args.weight_gradients == "from_activations" else ""
     name += "_no_backward_prefetch" if args.no_backward_prefetch else ""
     name += "_sgd" if args.apply_sgd else ""
     path = args.out / f"{name}.json"
@@ -398,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"quick": args.quick, "target": args.target, "models": rows}
     if args.replicate_below:
         result["replicate_below"] = args.replicate_below
+    if args.weight_gradients != "reduced":
+        result["weight_gradients"] = args.weight_gradients
     if args.no_backward_prefetch:
         result["backward_prefetch"] = False
     if args.apply_sgd:

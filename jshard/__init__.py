@@ -11,12 +11,12 @@ from jshard._sharding.comm_hooks import ReduceScatter as ReduceScatter
 from jshard._sharding.fully_shard import fully_shard as fully_shard
 from jshard._sharding.fully_shard import reshard as reshard
 from jshard._sharding.mesh import make_mesh as make_mesh
+from jshard._sharding.pipeline_policy import PipelinePolicy as PipelinePolicy
 from jshard._sharding.policies import CPUOffloadPolicy as CPUOffloadPolicy
 from jshard._sharding.policies import DataParallelMeshDims as DataParallelMeshDims
 from jshard._sharding.policies import FullyShardPolicy as FullyShardPolicy
 from jshard._sharding.policies import MixedPrecisionPolicy as MixedPrecisionPolicy
 from jshard._sharding.policies import OffloadPolicy as OffloadPolicy
-from jshard._sharding.policies import PipelinePolicy as PipelinePolicy
 from jshard._sharding.stages import stage_layers as stage_layers
 from jshard._sharding.unit import FSDPUnit as FSDPUnit
 from jshard._step.collectives import float8_all_gather as float8_all_gather

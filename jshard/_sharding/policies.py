@@ -208,6 +208,9 @@ class DataParallelMeshDims:
         object.__setattr__(self, "replicate", replicate)
 
 
+WEIGHT_GRADIENTS = ("reduced", "from_activations")
+
+
 @dataclasses.dataclass(frozen=True)
 class FullyShardPolicy:
     """Everything that decides how one unit is sharded, gathered and reduced.
@@ -251,11 +254,22 @@ class FullyShardPolicy:
         ``size * (N - 1) / N`` more elements of memory per device and fewer bytes on the wire.
         ``0`` (default): every leaf is sharded, as in FSDP2. Leaves split over model axes stay
         sharded.
+      weight_gradients: ``"reduced"`` (default): a gathered leaf's gradient is formed whole on
+        every device from its own rows and reduce-scattered, as in FSDP2.
+        ``"from_activations"``: where the unit's matrix ``w`` (2-D, sharded without padding,
+        freed after forward, no model axes, offload or custom collectives) is read by a matmul
+        ``x @ w`` in straight-line code, that matmul forms this device's block of the gradient
+        from every device's ``x`` (an all-to-all) and ``dy`` (an all-gather) instead, and the
+        whole gradient never exists: fewer bytes and less memory where the global batch has
+        fewer rows than ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md,
+        "Weight gradients from gathered activations"). Other uses keep the reduction.
 
     Example:
       >>> import jshard as js
       >>> js.FullyShardPolicy(replicate_below=4096).replicate_below
       4096
+      >>> js.FullyShardPolicy(weight_gradients="from_activations").weight_gradients
+      'from_activations'
       >>> policy = js.FullyShardPolicy(reshard_after_forward=False)
       >>> hash(policy) == hash(js.FullyShardPolicy(reshard_after_forward=False))
       True
@@ -275,6 +289,7 @@ class FullyShardPolicy:
     all_reduce_hook: AllReduce | None = None
     unit_collectives: bool = False
     replicate_below: int = 0
+    weight_gradients: str = "reduced"
 
     def __post_init__(self):
         raf = self.reshard_after_forward
@@ -297,6 +312,11 @@ class FullyShardPolicy:
                 f"`replicate_below` must be a non-negative int (a number of elements), got {below!r}; "
                 "0 shards every leaf."
             )
+        if self.weight_gradients not in WEIGHT_GRADIENTS:
+            raise ValueError(f"`weight_gradients` must be one of {WEIGHT_GRADIENTS}, got {self.weight_gradients!r}.")
+        if self.weight_gradients == "from_activations" and self.unit_collectives:
+            raise ValueError("`weight_gradients='from_activations'` forms each matrix's gradient in its own "
+                             "collectives; it cannot share the unit's flat buffer: set `unit_collectives=False`.")
         factor = self.gradient_divide_factor
         if factor is not None and (isinstance(factor, bool) or not factor > 0):
             raise ValueError(f"`gradient_divide_factor` must be a positive number, got {factor!r}.")
@@ -329,67 +349,3 @@ class FullyShardPolicy:
         for name in ("force_sum_reduction_for_comms", "unit_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be a bool, got {getattr(self, name)!r}.")
-
-
-GATHER_CHOICES = ("per_microbatch", "once")
-SCHEDULE_CHOICES = ("gpipe", "1f1b")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelinePolicy:
-    """How :func:`jshard.pipeline` runs a stack of layers as pipeline stages: the schedule and the gathers.
-
-    With ``S`` stages of ``K = ceil(L / S)`` layers, ``M`` microbatches, ``F`` devices on a
-    stage's shard axes and ``W`` the bytes of one gathered layer (in ``param_dtype``):
-
-    - ``gather="per_microbatch"`` (MaxText's ``pipeline_fsdp_ag_per_repeat``): each of the
-      ``M + S - 1`` schedule steps (bubble steps included) gathers the stage's layers one at a
-      time, so a device holds one gathered layer (and the next, prefetched) at a time; each
-      device sends ``(M + S - 1) * K * W * (F - 1) / F`` bytes of all-gathers in forward,
-      re-gathers in backward what backward reads (the matrices; a bias its gradient does not
-      need), and reduce-scatters every layer's gradient at every step, as much again.
-    - ``gather="once"`` (MaxText's ``pipeline_fsdp_ag_once``): the stage's ``K`` layers are
-      gathered before the schedule and their gradients reduce-scattered once after it: a
-      device holds ``K * W`` of gathered weights and as much of full gradient through the
-      step, and sends ``K * W * (F - 1) / F`` per all-gather (one in forward; XLA:TPU gathers
-      again for backward, XLA:CPU keeps the forward's, as measured) and as much for the one
-      reduce-scatter.
-
-    Both schedules idle ``(S - 1) / (M + S - 1)`` of the step (the bubble); they differ in the
-    activations a stage keeps for backward (``A``: one layer's saved activations of one
-    microbatch; [Note: 1F1B schedule]):
-
-    - ``schedule="gpipe"``: all forwards, then JAX's transpose of them: every stage keeps
-      ``(M + S - 1) * K * A`` (one per layer and schedule step, bubble steps included).
-    - ``schedule="1f1b"``: after a warm-up of forwards each stage runs one forward and one
-      backward per schedule step, so a stage keeps at most ``min(2 S - 1, M) * K * A``,
-      not growing with ``M``. Its backward runs inside the schedule, so it needs the loss:
-      ``js.pipeline(..., loss=fn, targets=...)``.
-
-    Args:
-      axis: the mesh axis whose devices are the stages.
-      microbatches: ``M``, how many microbatches the schedule runs (``None``: ``S``).
-      gather: ``"per_microbatch"`` or ``"once"`` (above).
-      schedule: ``"gpipe"`` or ``"1f1b"`` (above).
-
-    Example:
-      >>> import jshard as js
-      >>> js.PipelinePolicy(microbatches=4, gather="once", schedule="1f1b").schedule
-      '1f1b'
-    """
-
-    axis: str = "stage"
-    microbatches: int | None = None
-    gather: str = "per_microbatch"
-    schedule: str = "gpipe"
-
-    def __post_init__(self):
-        if not isinstance(self.axis, str) or not self.axis:
-            raise ValueError(f"`axis` must be a mesh axis name, got {self.axis!r}.")
-        m = self.microbatches
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"`microbatches` must be a positive int or None (one per stage), got {m!r}.")
-        if self.gather not in GATHER_CHOICES:
-            raise ValueError(f"`gather` must be one of {GATHER_CHOICES}, got {self.gather!r}.")
-        if self.schedule not in SCHEDULE_CHOICES:
-            raise ValueError(f"`schedule` must be one of {SCHEDULE_CHOICES}, got {self.schedule!r}.")

@@ -25,7 +25,7 @@ from jshard._sharding.step_state import StepState
 from jshard._step import collectives as C
 from jshard._step.model_manual import interleave_model, model_manual, model_piece
 from jshard._step.offload import to_device, to_host
-from jshard._step.remat import FREE, GATHER_START, SAVED, custom_gather, depend, unpad_gathered
+from jshard._step.remat import FREE, GATHER_START, SAVED, custom_gather, depend, mark_routable, unpad_gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +58,20 @@ class LeafComm:
         """The dtype the reduced gradient is returned in: the shard's."""
         return np.dtype(self.layout.dtype if self.shard_dtype is None else self.shard_dtype)
 
+    @property
+    def routable(self) -> bool:
+        """Whether the matmuls that read this leaf gathered may form its gradient from gathered
+        activations (``FullyShardPolicy(weight_gradients="from_activations")``; [Note: weight
+        gradient route] in ``weight_route.py``): a matrix sharded whole on one of its two dims,
+        without padding, model axes, offload or custom collectives, freed after forward."""
+        layout, policy = self.layout, self.policy
+        return (policy.weight_gradients == "from_activations" and len(layout.shape) == 2 and layout.sharded
+                and layout.padded == layout.shape[layout.dim] and not self.axes.model and not self.offloaded
+                and policy.custom_all_gather is None and policy.custom_reduce_scatter is None)
 
-def _gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
+
+def gather_cast(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    """The leaf gathered from ``shard`` for compute: on the device, in ``param_dtype``."""
     x = to_device(shard, comm.offloaded).astype(comm.param_dtype)
     if not comm.layout.sharded:
         return x
@@ -91,6 +103,16 @@ def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
     return to_host(g, comm.offloaded)
 
 
+def reduce_summed(comm: LeafComm, g: jax.Array) -> jax.Array:
+    """This device's shard of a gathered leaf's gradient, ``g``, already summed over the shard
+    axes (formed from gathered activations: [Note: weight gradient route]), finished as
+    :func:`reduce_gradient` finishes a reduce-scatter: cast to ``reduce_dtype``, all-reduced over
+    replicate axes, divided, cast to the shard's dtype."""
+    g = g.astype(comm.reduce_dtype)
+    pre, post = C.divide_factors(comm.divide_factor, g.dtype, comm.policy.force_sum_reduction_for_comms)
+    return to_host(_finish(comm, g / pre if pre != 1 else g, post), comm.offloaded)
+
+
 def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
     layout, policy = comm.layout, comm.policy
     pre, post = C.divide_factors(comm.divide_factor, g.dtype, policy.force_sum_reduction_for_comms)
@@ -106,19 +128,23 @@ def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
             g = policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
     else:
         g = C.all_reduce(g, comm.axes.shard)
+    return _finish(comm, g, post)
+
+
+def _finish(comm: LeafComm, g: jax.Array, post: float) -> jax.Array:
     if not comm.skip_all_reduce:
-        g = (policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
+        g = (comm.policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
     return (g / post).astype(comm.gradient_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def gather_shard(comm: LeafComm, shard: jax.Array) -> jax.Array:
     """All-gather a shard in ``param_dtype``; its gradient is :func:`reduce_gradient`."""
-    return _gather_cast(comm, shard)
+    return gather_cast(comm, shard)
 
 
 def _gather_fwd(comm, shard):
-    return _gather_cast(comm, shard), None
+    return gather_cast(comm, shard), None
 
 
 def _gather_bwd(comm, _, g):
@@ -188,10 +214,11 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
     if comm.layout.sharded:
         shard = checkpoint_name(shard, GATHER_START)
     if not is_floating(comm.layout.dtype):
-        return jax.lax.stop_gradient(_gather_cast(comm, shard))
+        return jax.lax.stop_gradient(gather_cast(comm, shard))
     raf = reshard_after_forward
     if isinstance(raf, bool) or not comm.layout.sharded:
-        return checkpoint_name(gather_shard(comm, shard), FREE if raf else SAVED)
+        full = checkpoint_name(gather_shard(comm, shard), FREE if raf else SAVED)
+        return mark_routable(full, comm) if raf is True and comm.routable else full
     x = to_device(jax.lax.stop_gradient(shard), comm.offloaded).astype(comm.param_dtype)
     def gather_within(v):
         return C.all_gather(v, comm.axes.shard, comm.layout.dim, _within_groups(comm))

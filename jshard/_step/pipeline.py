@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jshard._sharding.fully_shard import unshard_global
-from jshard._sharding.policies import PipelinePolicy
+from jshard._sharding.pipeline_policy import PipelinePolicy
 from jshard._sharding.stages import stage_size
 from jshard._sharding.step_state import StepState, active_step
 from jshard._sharding.unit import FSDPUnit, is_unit

@@ -1,21 +1,21 @@
 """The remat policy behind ``reshard_after_forward``, and the primitive it needs.
 
 [Note: remat policy] A names-based policy alone does not free gathered parameters: remat
-decides per equation, so when the ``checkpoint_name`` of a gathered value is not
-saveable it saves the *input* of the name instead, which is just as large (the output of
-the slice that removes padding, or of the all-gather). :data:`REMAT_POLICY` therefore
-refuses: values named :data:`FREE` (and :data:`GATHER_START`), outputs of ``all_gather``,
-and outputs of :data:`unpad_p`, :data:`depend_p`, :data:`pack_p` and :data:`custom_gather_p`,
-jshard's own slice, dependence, concatenation and custom-gather primitives (a plain ``slice`` or
-``add`` would catch the user's too). Remat then walks back to the shard, which is saved, and
-re-gathers in backward. A custom gather (``FullyShardPolicy(custom_all_gather=...)``) is one
-primitive because what it computes after its collective (``float8_all_gather``'s bitcast and
-rescaling) would otherwise be saved: the gathered leaf in another form, kept from forward to
-backward (v5p, four stacked 512 -> 1536 GELU blocks in bf16, activations kept, float8 gathers:
-2 gathers in the step's loops and a 29.26 MiB peak before, 4 and 11.48 MiB now; bf16 gathers
-10.67). Everything else is saveable, so activations are not recomputed. Values named
-:data:`SAVED` (gathered units that keep their parameters, group copies of
-``reshard_after_forward=k``) are saved at the name.
+decides per equation, so when the ``checkpoint_name`` of a gathered value is not saveable it
+saves the *input* of the name instead, which is just as large (the output of the slice that
+removes padding, or of the all-gather). :data:`REMAT_POLICY` therefore refuses: values named
+:data:`FREE` (and :data:`GATHER_START`), outputs of ``all_gather``, and outputs of
+:data:`unpad_p`, :data:`depend_p`, :data:`pack_p`, :data:`custom_gather_p` and
+:data:`routable_p`, jshard's own slice, dependence, concatenation, custom-gather and marker
+primitives (a plain ``slice`` or ``add`` would catch the user's too). Remat then walks back to
+the shard, which is saved, and re-gathers in backward. A custom gather
+(``FullyShardPolicy(custom_all_gather=...)``) is one primitive because what it computes after
+its collective (``float8_all_gather``'s bitcast and rescaling) would otherwise be saved: the
+gathered leaf in another form, kept from forward to backward (v5p, four stacked 512 -> 1536
+GELU blocks in bf16, activations kept, float8 gathers: 2 gathers in the step's loops and a
+29.26 MiB peak before, 4 and 11.48 MiB now; bf16 gathers 10.67). Everything else is saveable,
+so activations are not recomputed. Values named :data:`SAVED` (gathered units that keep their
+parameters, group copies of ``reshard_after_forward=k``) are saved at the name.
 
 [Note: nested remat] JAX applies the outermost ``jax.checkpoint``'s policy to everything
 inside it, so a ``jax.checkpoint`` the user writes inside ``loss_fn`` or a ``js.scan``
@@ -87,6 +87,24 @@ unpad_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(unpad_p, mlir.lower_fun(_slice, multiple_results=False))
 ad.deflinear2(unpad_p, _transpose)
 batching.primitive_batchers[unpad_p] = _batch
+
+
+routable_p = jax.extend.core.Primitive("jshard_routable")
+
+
+def mark_routable(x: jax.Array, comm: Any) -> jax.Array:
+    """``x``, a gathered leaf whose matmuls may form its gradient from gathered activations,
+    marked with the leaf's ``comm`` (``gather.LeafComm``) for the step that finds them
+    ([Note: weight gradient route] in ``weight_route.py``): an identity the remat policy refuses
+    to save, as it refuses the gather it marks."""
+    return routable_p.bind(x, comm=comm)
+
+
+routable_p.def_impl(lambda x, *, comm: x)
+routable_p.def_abstract_eval(lambda x, *, comm: x)
+mlir.register_lowering(routable_p, mlir.lower_fun(lambda x, *, comm: x, multiple_results=False))
+ad.deflinear2(routable_p, lambda ct, x, *, comm: [ct])
+batching.primitive_batchers[routable_p] = lambda args, dims, *, comm: (args[0], dims[0])
 
 
 pack_p = jax.extend.core.Primitive("jshard_pack")
@@ -208,7 +226,7 @@ _RECOMPUTED = frozenset({"convert_element_type", "transpose", "reshape", "broadc
 def _policy(prim, *_, **params) -> bool:
     if prim.name == "name":
         return params["name"] not in (FREE, GATHER_START)
-    return (prim not in (unpad_p, depend_p, pack_p, custom_gather_p) and prim.name != "all_gather"
+    return (prim not in (unpad_p, depend_p, pack_p, custom_gather_p, routable_p) and prim.name != "all_gather"
             and prim.name not in _RECOMPUTED)
 
 

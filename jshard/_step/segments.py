@@ -90,6 +90,7 @@ import jax
 from jax.extend import core as jcore
 
 from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend, keeps_cse_barrier, loop_policy
+from jshard._step.weight_route import route_matmuls
 
 
 def _is_start(eqn: Any) -> bool:
@@ -289,6 +290,8 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefe
 
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if policy is REMAT_POLICY:  # [Note: weight gradient route]
+            closed = route_matmuls(closed)
         jaxpr = closed.jaxpr
         params = set(jaxpr.invars[:n_params]) | set(jaxpr.constvars)
         pieces = _split(jaxpr.eqns, params)

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from flax import linen as nn
 
-from jshard._sharding.policies import PipelinePolicy
+from jshard._sharding.pipeline_policy import PipelinePolicy
 from jshard._step.pipeline import pipeline as core_pipeline
 from jshard.flax._linen.transform import discovered, linen_step
 from jshard.flax._paths import scope_path

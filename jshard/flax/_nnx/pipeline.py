@@ -31,7 +31,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jshard._sharding.policies import PipelinePolicy
+from jshard._sharding.pipeline_policy import PipelinePolicy
 from jshard._sharding.step_state import Held, ShardedState, active_step
 from jshard._step.pipeline import pipeline as core_pipeline
 from jshard.flax._nnx.forward import OUTSIDE_STEP, gather_module, restore

@@ -1,0 +1,162 @@
+"""Weight gradients formed from gathered activations: the matmuls that read a gathered matrix.
+
+[Note: weight gradient route] FSDP's gradient reduction is the backward of the gather
+(``gather.gather_shard``): it receives the whole gradient ``x^T dy`` that the model's matmul
+formed from this device's rows, a ``[K, N]`` buffer per device, and reduce-scatters it (on v4
+and v5p in torus phases, with a half-size buffer beside it). With few rows in the global batch,
+GSPMD forms this device's block of that gradient from every device's activations instead: the
+``x[:, K_d]`` columns of every device's rows (an all-to-all) times every device's ``dy`` (an
+all-gather) is the ``[K/n, N]`` block of a matrix sharded on its first dim (for one sharded on
+its second, every device's ``x`` times the ``dy[:, N_d]`` columns), already summed over the
+devices. Per device, with ``M`` rows and ``n`` devices, that sends ``M K (n-1)/n + M N (n-1)``
+elements where the reduction sends ``K N (n-1)/n``, and holds ``n M N`` where the reduction
+holds ``K N``. Measured on v5p 2x2x2 by hand first (``benchmarks/weight_gradient_route.py``,
+docs/benchmarks.md "Weight gradients from gathered activations").
+
+Only the matmul knows its ``x`` and ``dy``, so the step finds the matmuls: with
+``FullyShardPolicy(weight_gradients="from_activations")`` a gathered matrix that qualifies
+(``LeafComm.routable``) is marked (``remat.routable_p``, carrying its ``LeafComm``), and
+:func:`route_matmuls` rewrites the traced loss's top-level ``dot_general`` equations that read a
+marked matrix as ``x @ w`` (``x``'s last dim contracted with ``w``'s first, no batch dims) into
+:func:`gathered_matmul`, a ``custom_vjp`` that gathers the shard for the product and again in
+backward for ``dx``, and forms the shard's gradient as above, finished as a reduced one
+(``gather.reduce_summed``), where that sends fewer bytes than the reduction
+(:func:`sends_less`: fewer rows in the global batch than ``K``, roughly). The original gather
+is then dead unless something else reads the matrix (its gradient is reduced as before and the
+two add up). Matmuls inside nested jaxprs (a
+``js.scan`` body, a ``jax.checkpoint``) are not rewritten: there the mark is an identity. Nor
+are they under a ``remat_policy`` (the step runs :func:`route_matmuls` under its own policy
+only): inside the step's checkpoint a ``custom_vjp``'s residual ``x`` is kept whatever the
+policy, so a recomputed GELU block kept its GELU's output (v5p, eight unrolled 1536 -> 4608
+blocks, ``nothing_saveable``: matmul FLOPs 0.85x the recipe's and the peak 143.06 -> 242.18 MiB).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from jshard._step import collectives as C
+from jshard._step.gather import LeafComm, gather_cast, reduce_summed
+from jshard._step.remat import routable_p
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def gathered_matmul(comm: LeafComm, precision: Any, preferred: Any, x: jax.Array, shard: jax.Array) -> jax.Array:
+    """``x @ gather(shard)`` whose gradient for ``shard`` is formed from gathered activations
+    (see the Note); ``precision`` and ``preferred`` are the matmul's own."""
+    return _matmul(precision, preferred, x, gather_cast(comm, shard))
+
+
+def _matmul(precision, preferred, x, w):
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=preferred)
+
+
+def _fwd(comm, precision, preferred, x, shard):
+    return gathered_matmul(comm, precision, preferred, x, shard), (x, shard)
+
+
+def _bwd(comm, precision, preferred, residuals, dy):
+    x, shard = residuals
+    w = gather_cast(comm, shard)  # re-gathered, as a unit freed after forward is
+    _, x_vjp = jax.vjp(lambda v: _matmul(precision, preferred, v, w), x)
+    (dx,) = x_vjp(dy)
+    return dx, reduce_summed(comm, _summed_gradient(comm, x, dy, w.dtype))
+
+
+def _summed_gradient(comm: LeafComm, x: jax.Array, dy: jax.Array, dtype: Any) -> jax.Array:
+    """This device's block of ``sum over devices of x^T dy``, from the devices' activations."""
+    axes, phases = comm.axes.shard, comm.axes.gather_phases
+    rows_x, rows_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    if comm.layout.dim == 0:  # this device's inputs of every device's rows, every device's dy
+        x_all = jax.lax.all_to_all(rows_x, axes, split_axis=1, concat_axis=0, tiled=True)
+        dy_all = C.all_gather(rows_dy, axes, 0, phases=phases)
+    else:  # every device's rows, this device's outputs of every device's dy
+        x_all = C.all_gather(rows_x, axes, 0, phases=phases)
+        dy_all = jax.lax.all_to_all(rows_dy, axes, split_axis=1, concat_axis=0, tiled=True)
+    return jax.lax.dot_general(x_all, dy_all, (((0,), (0,)), ((), ()))).astype(dtype)
+
+
+gathered_matmul.defvjp(_fwd, _bwd)
+
+
+def route_matmuls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """``closed`` with every top-level ``x @ w`` of a marked gathered matrix ``w`` taken by
+    :func:`gathered_matmul` (see the Note); unchanged where there is none.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> closed = jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((2, 3)), jnp.ones((3, 4)))
+      >>> route_matmuls(closed) is closed  # nothing marked
+      True
+    """
+    jaxpr = closed.jaxpr
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    eqns, changed = [], False
+    for eqn in jaxpr.eqns:
+        routed = _routed(eqn, made)
+        changed |= routed is not eqn
+        eqns.append(routed)
+    if not changed:
+        return closed
+    return jcore.ClosedJaxpr(jaxpr.replace(eqns=_live(eqns, jaxpr.outvars)), closed.consts)
+
+
+def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
+    """The equation of :func:`gathered_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
+    if eqn.primitive.name != "dot_general" or eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,),
+                                                                                   (0,)), ((), ())):
+        return eqn
+    mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
+    if mark is None or mark.primitive is not routable_p:
+        return eqn
+    shard, x, comm = _shard_of(mark.invars[0], made), eqn.invars[0], mark.params["comm"]
+    if shard is None or not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape,
+                                       comm.layout.dim, comm.axes.shard_size):
+        return eqn
+    fn = functools.partial(gathered_matmul, comm, eqn.params["precision"],
+                           eqn.params["preferred_element_type"])
+    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (x, shard)))
+    (call,) = traced.jaxpr.eqns
+    if traced.jaxpr.constvars or traced.consts:
+        return eqn
+    outer = dict(zip(traced.jaxpr.invars, (x, shard), strict=True))
+    return call.replace(invars=[outer.get(v, v) for v in call.invars], outvars=list(eqn.outvars))
+
+
+def sends_less(rows: int, k: int, n: int, dim: int, devices: int) -> bool:
+    """Whether forming the gradient of a ``[k, n]`` matrix sharded on ``dim`` from ``rows`` rows
+    per device of activations sends fewer elements per device than reducing it over ``devices``
+    devices (see the Note): the sharded side's activations are exchanged (all-to-all), the
+    other side's gathered whole.
+
+    Example:
+      >>> sends_less(64, 1536, 1536, 0, 8), sends_less(512, 256, 768, 0, 8)  # an MLP at batch 512, a transformer
+      (True, False)
+    """
+    sharded, whole = (k, n) if dim == 0 else (n, k)
+    return rows * sharded / devices + rows * whole < k * n / devices
+
+
+def _shard_of(gathered: Any, made: dict[Any, Any]) -> Any:
+    """The shard whose gather made ``gathered`` (through its ``FREE`` name), or ``None``."""
+    named = made.get(gathered)
+    gather = made.get(named.invars[0]) if named is not None and named.primitive.name == "name" else None
+    if gather is None or not gather.primitive.name.startswith("custom_vjp_call") or len(gather.invars) != 1:
+        return None
+    return gather.invars[0]
+
+
+def _live(eqns: list[Any], outvars: list[Any]) -> list[Any]:
+    """``eqns`` without those whose outputs nothing reads (the gathers a rewrite left unread)."""
+    needed = {v for v in outvars if not isinstance(v, jcore.Literal)}
+    kept = []
+    for eqn in reversed(eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return kept[::-1]

@@ -1,0 +1,150 @@
+"""``FullyShardPolicy(weight_gradients="from_activations")``: a matmul's weight gradient formed
+from gathered activations instead of reduced.
+
+The model: three unrolled units of 64-wide matrices (the second sharded on its output dim) and
+a root head, 16 rows in the batch (2 per device): each matrix's gradient sends fewer bytes
+from activations than reduced, so each of the three is routed; the root's head keeps its
+parameters gathered (``reshard_after_forward=False`` for the root) and is reduced.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import collective_dtypes
+
+import jshard as js
+
+STEPS = 4
+ROUTED = js.FullyShardPolicy(weight_gradients="from_activations")
+
+
+def _init(seed=0):
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+
+    return {"l0": {"w": normal(64, 64)}, "l1": {"w": normal(64, 64)},
+            "l2": {"w": normal(64, 48), "b": normal(48) * 0.1}, "head": {"w": normal(48, 8)}}
+
+
+def _batches(rows=16, seed=1):
+    rng = np.random.default_rng(seed)
+    return [{"x": jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(rows, 8)), jnp.float32)} for _ in range(STEPS)]
+
+
+def _loss(params, batch):
+    unshard = (lambda u: js.unshard(u)) if isinstance(params, js.FSDPUnit) else (lambda u: u)
+    root = unshard(params)
+    h = batch["x"]  # bf16 under a bf16 MixedPrecisionPolicy (cast_forward_inputs)
+    for name in ("l0", "l1"):
+        h = jnp.tanh(h @ unshard(root[name])["w"])
+    l2 = unshard(root["l2"])
+    h = jnp.tanh(h @ l2["w"] + l2["b"])
+    return jnp.mean(((h @ root["head"]["w"]).astype(jnp.float32) - batch["y"].astype(jnp.float32)) ** 2)
+
+
+def _on_outputs(path, leaf):  # l1's matrix sharded on its second dim
+    return 1 if "l1" in jax.tree_util.keystr(path) else None
+
+
+def _shard(params, mesh, policy):
+    units = {name: js.fully_shard(params[name], mesh, dataclasses.replace(policy, shard_placement_fn=_on_outputs))
+             for name in ("l0", "l1", "l2")}
+    return js.fully_shard({**params, **units}, mesh, policy)
+
+
+def _train_reference():
+    tx, params = optax.sgd(0.1, momentum=0.9), _init()
+    state, losses = tx.init(params), []
+    for batch in _batches():
+        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        params, losses = optax.apply_updates(params, updates), losses + [float(loss)]
+    return losses, params
+
+
+def _train(policy, mesh, **grad_kwargs):
+    tx, sharded = optax.sgd(0.1, momentum=0.9), _shard(_init(), mesh, policy)
+    grad_fn = js.value_and_grad(_loss, unshard_params=False, **grad_kwargs)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, grads = grad_fn(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state, losses = tx.init(sharded), []
+    for batch in _batches():
+        sharded, state, loss = step(sharded, state, batch)
+        losses.append(float(loss))
+    return losses, js.unshard(sharded), jax.jit(grad_fn).lower(sharded, _batches()[0]).as_text()
+
+
+def _assert_close(got, want, tol):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    for (path, a), b in zip(jax.tree.flatten_with_path(got[1])[0], jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train_reference()
+
+
+def _ops(text: str) -> dict[str, int]:
+    return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("all_to_all", "reduce_scatter")}
+
+
+@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
+def test_parity_and_the_matmuls_routed(reference, replicate):
+    """SGD with momentum, several steps: the unsharded reference's losses and parameters, with
+    three matrices' gradients formed from activations (two all-to-alls and one for the matrix
+    sharded on its outputs: three in all) instead of reduce-scattered."""
+    mesh = js.make_mesh(replicate=replicate)
+    routed = _train(ROUTED, mesh)
+    _assert_close(routed, reference, 1e-5)
+    reduced = _train(js.FullyShardPolicy(), mesh)
+    _assert_close(reduced, reference, 1e-5)
+    assert _ops(reduced[2]) == {"all_to_all": 0, "reduce_scatter": 5}  # three matrices, a bias, the head
+    assert _ops(routed[2]) == {"all_to_all": 3, "reduce_scatter": 2}
+
+
+def test_mixed_precision_gathers_and_exchanges_in_param_dtype():
+    """bf16 parameters: the activations are exchanged in bf16, the routed gradients are reduced
+    over replicas in ``reduce_dtype`` as a reduce-scatter's are, and training follows the same
+    policy with every gradient reduced."""
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    mesh = js.make_mesh(replicate=2)
+    routed = _train(dataclasses.replace(ROUTED, mp_policy=mp), mesh)
+    reduced = _train(js.FullyShardPolicy(mp_policy=mp), mesh)
+    _assert_close(routed, reduced, 2e-2)
+    dtypes = collective_dtypes(routed[2])
+    assert dtypes["all-to-all"] == {"bfloat16"}
+    assert "float32" in dtypes["all-reduce"]
+
+
+def test_not_routed_where_reducing_sends_less_or_under_a_remat_policy(reference):
+    """At 64 rows per device a 64 x 64 matrix's gradient sends fewer bytes reduced; under a
+    ``remat_policy`` the matmuls are left alone (a ``custom_vjp`` keeps its residuals whatever
+    the policy); both still train as the reference does where they apply."""
+    mesh = js.make_mesh()
+    big = _batches(rows=512)[0]
+    text = jax.jit(js.value_and_grad(_loss, unshard_params=False)).lower(_shard(_init(), mesh, ROUTED), big).as_text()
+    assert _ops(text)["all_to_all"] == 0
+    remat = _train(ROUTED, mesh, remat_policy=jax.checkpoint_policies.nothing_saveable)
+    assert _ops(remat[2]) == {"all_to_all": 0, "reduce_scatter": 5}
+    _assert_close(remat, reference, 1e-5)
+
+
+def test_policy_errors():
+    with pytest.raises(ValueError, match=r"`weight_gradients` must be one of \('reduced', 'from_activations'\)"):
+        js.FullyShardPolicy(weight_gradients="activations")
+    with pytest.raises(ValueError, match="cannot share the unit's flat buffer: set `unit_collectives=False`"):
+        js.FullyShardPolicy(weight_gradients="from_activations", unit_collectives=True)
