@@ -200,16 +200,23 @@ def test_quick_gather_options(tmp_path):
     assert 2 * options["unit"]["ops"]["all-gather"] == options["leaf"]["ops"]["all-gather"]
 
 
+def _sweep_values(model, mesh):
+    """Random parameters (the recipe's tree, unsharded) and a batch for a sweep model."""
+    from benchmarks import memory_sweep
+
+    rng = np.random.default_rng(0)
+    _, (abstract, batch) = memory_sweep.variant_step(model, mesh, "recipe")
+    values = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / 8, abstract)
+    return values, rng.standard_normal(batch.shape, np.float32)
+
+
 def test_sweep_training_steps_apply_sgd_alike_in_every_variant():
     from benchmarks import memory_sweep
     from jshard.report import CompileTarget
 
     model = memory_sweep.Model("tanh", False, 2, 64, 16, remat=False)
     mesh = memory_sweep.target_mesh(CompileTarget.parse("cpu:8"))
-    rng = np.random.default_rng(0)
-    _, (abstract, batch) = memory_sweep.variant_step(model, mesh, "recipe")
-    values = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / 8, abstract)
-    x = rng.standard_normal(batch.shape, np.float32)
+    values, x = _sweep_values(model, mesh)
 
     def run(variant, apply_sgd):
         step, (params, _) = memory_sweep.variant_step(model, mesh, variant, apply_sgd=apply_sgd)
@@ -238,10 +245,7 @@ def test_weight_gradient_routes_train_as_the_recipe(model):
     kind, stacked, layers, width, batch, bf16 = model
     m = memory_sweep.Model(kind, stacked, layers, width, batch, remat=False, bf16=bf16)
     mesh = memory_sweep.target_mesh(CompileTarget.parse("cpu:8"))
-    rng = np.random.default_rng(0)
-    _, (abstract, x) = memory_sweep.variant_step(m, mesh, "recipe")
-    values = jax.tree.map(lambda a: rng.standard_normal(a.shape, np.float32) / 8, abstract)
-    x = rng.standard_normal(x.shape, np.float32)
+    values, x = _sweep_values(m, mesh)
 
     def run(step, params):
         concrete = jax.tree.map(lambda a, v: jax.device_put(v, a.sharding), params, values)
