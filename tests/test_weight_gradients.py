@@ -4,7 +4,8 @@ from gathered activations instead of reduced.
 The model: three unrolled units of 64-wide matrices (the second sharded on its output dim) and
 a root head, 16 rows in the batch (2 per device): each matrix's gradient sends fewer bytes
 from activations than reduced, so each of the three is routed; the root's head keeps its
-parameters gathered (``reshard_after_forward=False`` for the root) and is reduced.
+parameters gathered (``reshard_after_forward=False`` for the root) and is reduced. The same
+with Flax NNX's ``nnx.Linear`` layers.
 """
 
 import dataclasses
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import collective_dtypes
 
 import jshard as js
+from jshard.flax import nnx as jnnx
 
 STEPS = 4
 ROUTED = js.FullyShardPolicy(weight_gradients="from_activations")
@@ -148,3 +151,52 @@ def test_policy_errors():
         js.FullyShardPolicy(weight_gradients="activations")
     with pytest.raises(ValueError, match="cannot share the unit's flat buffer: set `unit_collectives=False`"):
         js.FullyShardPolicy(weight_gradients="from_activations", unit_collectives=True)
+
+
+class _MLP(nnx.Module):
+    """Flax NNX as its docs write an MLP: ``nnx.Linear`` layers in a list."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(64, 64, rngs=rngs) for _ in range(3)])
+        self.head = nnx.Linear(64, 8, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return self.head(x)
+
+
+def _nnx_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _train_nnx(model, grad_fn):
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    @jax.jit
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = grad_fn(_nnx_loss)(model, batch)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    losses = []
+    for batch in _batches():
+        loss, state = step(state, batch)
+        losses.append(float(loss))
+    model, _ = nnx.merge(graphdef, state)
+    return np.array(losses), model, step.lower(state, _batches()[0]).as_text()
+
+
+def test_nnx_linear_layers_train_as_unsharded_nnx():
+    """Each ``nnx.Linear`` of an unrolled NNX MLP a unit with the option: its kernel's gradient
+    formed from activations (three all-to-alls), training as unsharded NNX does."""
+    ref_losses, ref_model, _ = _train_nnx(_MLP(nnx.Rngs(0)), nnx.value_and_grad)
+    model = _MLP(nnx.Rngs(0))
+    for layer in model.layers:
+        jnnx.fully_shard(layer, policy=ROUTED)
+    losses, model, text = _train_nnx(jnnx.fully_shard(model), jnnx.value_and_grad)
+    _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
+                  (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))), 1e-5)
+    assert _ops(text)["all_to_all"] == 3
