@@ -62,6 +62,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import jshard as js
 from jshard._report.report import report_compiled
 from jshard._report.schedule import gather_schedule
+from jshard._sharding.policies import WEIGHT_GRADIENTS
 from jshard.demo import model as T
 from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives, wire_bytes_by_kind
 
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
     parser.add_argument("--replicate-below", type=int, default=0,
                         help="jshard's FullyShardPolicy(replicate_below=N): leaves under N elements kept whole")
-    parser.add_argument("--weight-gradients", default="reduced", choices=("reduced", "from_activations"),
+    parser.add_argument("--weight-gradients", default="reduced", choices=WEIGHT_GRADIENTS,
                         help="jshard's FullyShardPolicy(weight_gradients=...)")
     parser.add_argument("--no-backward-prefetch", action="store_true",
                         help="jshard's value_and_grad(backward_prefetch=False)")

@@ -135,12 +135,15 @@ def stored_sweep(target: str, libtpu_flags: str) -> pathlib.Path:
     return S.RESULTS / f"memory_sweep_{target.replace(':', '_')}{flags}_replicate_below_4096_sgd.json"
 
 
-def _stored(sweep: pathlib.Path, name: str) -> dict[str, float]:
-    rows = {r["name"]: r for r in json.loads(sweep.read_text())["models"]} if sweep.exists() else {}
-    if name not in rows:
+def stored_rows(sweep: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """The stored sweep's rows by model name (none where it was not stored)."""
+    return {r["name"]: r for r in json.loads(sweep.read_text())["models"]} if sweep.exists() else {}
+
+
+def _stored(row: dict[str, Any] | None) -> dict[str, float]:
+    if row is None:
         return {}
-    peaks = rows[name]["peak_bytes"]
-    return {"recipe": min(peaks["recipe"], peaks["constrained"]), "jshard": peaks["jshard"]}
+    return {"recipe": row["peak_bytes"][S.best_recipe(row)], "jshard": row["peak_bytes"]["jshard"]}
 
 
 def table(results: list[dict[str, Any]], with_stored: bool) -> str:
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen = [S.Model("tanh", False, 4, 256, 64)] if args.quick else \
         [m for m in S.models(False) if m.kind != "transformer" and args.only in m.name]
     sweep = stored_sweep(args.target, args.libtpu_flags)
-    results = [{"model": m.name, **measure(m, mesh), "stored": _stored(sweep, m.name)} for m in chosen]
+    stored = stored_rows(sweep)
+    results = [{"model": m.name, **measure(m, mesh), "stored": _stored(stored.get(m.name))} for m in chosen]
     print(said)
     print(table(results, sweep.exists()))
     out = {"target": args.target, "models": results}
