@@ -39,6 +39,7 @@ import tempfile
 from typing import Any
 
 from jshard._plan.buffers import temp_values as assigned_temp_values
+from jshard._sharding.policies import WEIGHT_GRADIENTS
 from jshard.report import CompileTarget, Memory
 
 _RANGE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)$")
@@ -203,7 +204,8 @@ def above_rows(results: pathlib.Path) -> None:
     target = CompileTarget.parse(stored["target"])
     mesh = ms.target_mesh(target)
     options = {"apply_sgd": stored.get("apply_sgd", False), "replicate_below": stored.get("replicate_below", 0),
-               "backward_prefetch": stored.get("backward_prefetch", True)}  # the last two: jshard's only
+               "backward_prefetch": stored.get("backward_prefetch", True),
+               "weight_gradients": stored.get("weight_gradients", "reduced")}  # all but the first: jshard's only
     models = {m.name: m for m in ms.models(False)}
     print(f"{results.name}: compiled by {target.describe()}"
           + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}" if stored.get("libtpu_init_args") else ""))
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="jshard's FullyShardPolicy(replicate_below=N), as in benchmarks.memory_sweep")
     parser.add_argument("--apply-sgd", action="store_true",
                         help="the training step (gradients applied by plain SGD), as in benchmarks.memory_sweep")
+    parser.add_argument("--weight-gradients", default="reduced", choices=WEIGHT_GRADIENTS,
+                        help="jshard's FullyShardPolicy(weight_gradients=...), as in benchmarks.memory_sweep")
     from benchmarks import memory_sweep as ms  # starts JAX (8 CPU devices where no accelerator is given)
 
     ms.add_compile_arguments(parser)
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
             compiled, heap, ops = _compiled_heap(ms, model, mesh, variant, pathlib.Path(tmp), apply_sgd=args.apply_sgd,
-                                                 replicate_below=args.replicate_below)
+                                                 replicate_below=args.replicate_below,
+                                                 weight_gradients=args.weight_gradients)
             print(describe(variant, compiled.memory_analysis().temp_size_in_bytes, heap, ops, args.top), flush=True)
 
 
