@@ -54,11 +54,12 @@ def _loss(params, batch):
 
 
 def _on_outputs(path, leaf):  # l1's matrix sharded on its second dim
-    return 1 if "l1" in jax.tree_util.keystr(path) else None
+    return 1
 
 
 def _shard(params, mesh, policy):
-    units = {name: js.fully_shard(params[name], mesh, dataclasses.replace(policy, shard_placement_fn=_on_outputs))
+    on_outputs = dataclasses.replace(policy, shard_placement_fn=_on_outputs)
+    units = {name: js.fully_shard(params[name], mesh, on_outputs if name == "l1" else policy)
              for name in ("l0", "l1", "l2")}
     return js.fully_shard({**params, **units}, mesh, policy)
 
@@ -105,6 +106,11 @@ def _ops(text: str) -> dict[str, int]:
     return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("all_to_all", "reduce_scatter")}
 
 
+def _matrix_gathers(text: str) -> int:
+    """All-gathers whose result is a 64-row matrix: the three layers' weights, gathered for compute."""
+    return len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x\d+x", text))
+
+
 @pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
 def test_parity_and_the_matmuls_routed(reference, replicate):
     """SGD with momentum, several steps: the unsharded reference's losses and parameters, with
@@ -116,7 +122,11 @@ def test_parity_and_the_matmuls_routed(reference, replicate):
     reduced = _train(js.FullyShardPolicy(), mesh)
     _assert_close(reduced, reference, 1e-5)
     assert _ops(reduced[2]) == {"all_to_all": 0, "reduce_scatter": 5}  # three matrices, a bias, the head
-    assert _ops(routed[2]) == {"all_to_all": 3, "reduce_scatter": 2}
+    # Each matrix's gradient (one all-to-all each); dx from the shard: l2's an all-to-all, l1's
+    # (sharded on its outputs) a reduce-scatter beside the bias's and the head's (l0's, of the
+    # batch, is not needed).
+    assert _ops(routed[2]) == {"all_to_all": 4, "reduce_scatter": 3}
+    assert (_matrix_gathers(reduced[2]), _matrix_gathers(routed[2])) == (4, 3)  # l1 re-gathered in backward, or not
 
 
 def test_mixed_precision_gathers_and_exchanges_in_param_dtype():
@@ -191,7 +201,8 @@ def _train_nnx(model, grad_fn):
 
 def test_nnx_linear_layers_train_as_unsharded_nnx():
     """Each ``nnx.Linear`` of an unrolled NNX MLP a unit with the option: its kernel's gradient
-    formed from activations (three all-to-alls), training as unsharded NNX does."""
+    formed from activations (three all-to-alls) and ``dx`` from its shard (two more: the first
+    layer's, of the batch, is not needed), training as unsharded NNX does."""
     ref_losses, ref_model, _ = _train_nnx(_MLP(nnx.Rngs(0)), nnx.value_and_grad)
     model = _MLP(nnx.Rngs(0))
     for layer in model.layers:
@@ -199,4 +210,89 @@ def test_nnx_linear_layers_train_as_unsharded_nnx():
     losses, model, text = _train_nnx(jnnx.fully_shard(model), jnnx.value_and_grad)
     _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
                   (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))), 1e-5)
-    assert _ops(text)["all_to_all"] == 3
+    assert _ops(text)["all_to_all"] == 5
+
+
+def _stacked_loss(params, batch):
+    stack, head = (params["stack"], params["head"]) if not isinstance(params, js.FSDPUnit) else (
+        js.unshard(params)["stack"], js.unshard(params)["head"])
+    scan = js.scan if isinstance(stack, js.FSDPUnit) else jax.lax.scan
+    h, _ = scan(lambda h, layer: (h + jax.nn.gelu(h @ layer["up"]) @ layer["down"], None), batch["x"], stack)
+    return jnp.mean((h @ head["w"] - batch["y"]) ** 2)
+
+
+def _stacked_init(layers=3):
+    rng = np.random.default_rng(2)
+    return {"stack": {"up": jnp.asarray(rng.normal(size=(layers, 64, 96)) / 8, jnp.float32),
+                      "down": jnp.asarray(rng.normal(size=(layers, 96, 64)) / 10, jnp.float32)},
+            "head": {"w": jnp.asarray(rng.normal(size=(64, 8)) / 8, jnp.float32)}}
+
+
+def _train_stacked(params, grad_fn):
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, grads = grad_fn(_stacked_loss)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state, losses = tx.init(params), []
+    for batch in _batches():
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses, params, jax.jit(grad_fn(_stacked_loss)).lower(params, _batches()[0]).as_text()
+
+
+def test_stacked_layers_routed_inside_the_loop():
+    """Layers stacked under ``js.scan``: each iteration's two matmuls form their gradients from
+    activations and ``dx`` from the shards (two all-to-alls each, in the loop body) and training
+    follows the unsharded ``lax.scan`` reference."""
+    mesh = js.make_mesh()
+    init = _stacked_init()
+    ref = _train_stacked(init, lambda f: jax.value_and_grad(f))
+    units = js.fully_shard({"stack": js.fully_shard(init["stack"], mesh, dataclasses.replace(ROUTED, scan_axis=0)),
+                            "head": init["head"]}, mesh, ROUTED)
+    losses, params, text = _train_stacked(units, lambda f: js.value_and_grad(f, unshard_params=False))
+    _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
+    assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 1}  # up and down in the loop; the head reduced
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x))
+
+
+class _ScannedMLP(nnx.Module):
+    """Flax NNX as its docs write a stack: blocks made by ``nnx.vmap``, run by ``nnx.scan``."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return _Block(rngs)
+
+        self.blocks = create(rngs)
+        self.head = nnx.Linear(64, 8, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+def test_nnx_scan_layers_routed_inside_the_loop():
+    """The same through ``nnx.scan``: the stacked kernels' gradients formed from activations and
+    ``dx`` from the shards in the loop, training as unsharded NNX does."""
+    ref_losses, ref_model, _ = _train_nnx(_ScannedMLP(nnx.Rngs(0)), nnx.value_and_grad)
+    model = _ScannedMLP(nnx.Rngs(0))
+    jnnx.fully_shard(model.blocks, policy=dataclasses.replace(ROUTED, scan_axis=0))
+    losses, model, text = _train_nnx(jnnx.fully_shard(model), jnnx.value_and_grad)
+    _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
+                  (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))), 1e-5)
+    assert _ops(text)["all_to_all"] == 2

@@ -258,9 +258,10 @@ class FullyShardPolicy:
         every device from its own rows and reduce-scattered, as in FSDP2.
         ``"from_activations"``: where the unit's matrix ``w`` (2-D, sharded without padding,
         freed after forward, no model axes, offload or custom collectives) is read by a matmul
-        ``x @ w`` in straight-line code, that matmul forms this device's block of the gradient
-        from every device's ``x`` (an all-to-all) and ``dy`` (an all-gather) instead, and the
-        whole gradient never exists: fewer bytes and less memory where the global batch has
+        ``x @ w`` (in straight-line code or a loop over stacked layers), that matmul forms this
+        device's block of the gradient from every device's ``x`` (an all-to-all) and ``dy`` (an
+        all-gather) instead, and ``dx`` from the shard: the whole gradient never exists and
+        backward does not gather ``w``: fewer bytes and less memory where the global batch has
         fewer rows than ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md,
         "Weight gradients from gathered activations"). Other uses keep the reduction.
 

@@ -41,6 +41,7 @@ layer in backward).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -255,6 +256,18 @@ def loop_policy(policy: Any) -> Any:
       (False, 'nothing_saveable')
     """
     return _loop_policy if policy is REMAT_POLICY else policy
+
+
+@functools.cache
+def checkpoint_primitive() -> Any:
+    """The primitive ``jax.checkpoint`` binds (its name differs across jax versions).
+
+    Example:
+      >>> import jax
+      >>> jax.make_jaxpr(jax.checkpoint(lambda x: x))(0.0).eqns[0].primitive is checkpoint_primitive()
+      True
+    """
+    return jax.make_jaxpr(jax.checkpoint(lambda x: x))(0.0).eqns[0].primitive
 
 
 def keeps_cse_barrier(policy: Any) -> bool:

@@ -82,25 +82,26 @@ the matmuls of its layer and of the loss's tail run once: [Note: recompute once]
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.extend import core as jcore
 
-from jshard._step.remat import FREE, GATHER_START, REMAT_POLICY, depend, keeps_cse_barrier, loop_policy
+from jshard._step.remat import (
+    FREE,
+    GATHER_START,
+    REMAT_POLICY,
+    checkpoint_primitive,
+    depend,
+    keeps_cse_barrier,
+    loop_policy,
+)
 from jshard._step.weight_route import route_matmuls
 
 
 def _is_start(eqn: Any) -> bool:
     return eqn.primitive.name == "name" and eqn.params.get("name") == GATHER_START
-
-
-@functools.cache
-def _checkpoint_primitive() -> Any:
-    """The primitive ``jax.checkpoint`` binds (its name differs across jax versions)."""
-    return jax.make_jaxpr(jax.checkpoint(lambda x: x))(0.0).eqns[0].primitive
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -139,7 +140,7 @@ def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
     for eqn in eqns:
         if eqn.primitive.name == "name" and eqn.params.get("name") == FREE:
             return True
-        if eqn.primitive is not _checkpoint_primitive() and any(
+        if eqn.primitive is not checkpoint_primitive() and any(
                 frees_outside_checkpoints(j.eqns) for j in _sub_jaxprs(eqn)):
             return True
     return False
