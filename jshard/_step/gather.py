@@ -218,7 +218,7 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
     raf = reshard_after_forward
     if isinstance(raf, bool) or not comm.layout.sharded:
         full = checkpoint_name(gather_shard(comm, shard), FREE if raf else SAVED)
-        return mark_routable(full, comm) if raf is True and comm.routable else full
+        return mark_routable(full, shard, comm) if raf is True and comm.routable else full
     x = to_device(jax.lax.stop_gradient(shard), comm.offloaded).astype(comm.param_dtype)
     def gather_within(v):
         return C.all_gather(v, comm.axes.shard, comm.layout.dim, _within_groups(comm))

@@ -93,18 +93,25 @@ batching.primitive_batchers[unpad_p] = _batch
 routable_p = jax.extend.core.Primitive("jshard_routable")
 
 
-def mark_routable(x: jax.Array, comm: Any) -> jax.Array:
+def mark_routable(x: jax.Array, shard: jax.Array, comm: Any) -> jax.Array:
     """``x``, a gathered leaf whose matmuls may form its gradient from gathered activations,
-    marked with the leaf's ``comm`` (``gather.LeafComm``) for the step that finds them
-    ([Note: weight gradient route] in ``weight_route.py``): an identity the remat policy refuses
+    marked for the step that finds them ([Note: weight gradient route] in ``weight_route.py``)
+    with what they need: the ``shard`` it was gathered from (a second operand, read by nothing)
+    and the leaf's ``comm`` (``gather.LeafComm``). An identity in ``x`` the remat policy refuses
     to save, as it refuses the gather it marks."""
-    return routable_p.bind(x, comm=comm)
+    return routable_p.bind(x, shard, comm=comm)
 
 
-routable_p.def_impl(lambda x, *, comm: x)
-routable_p.def_abstract_eval(lambda x, *, comm: x)
-mlir.register_lowering(routable_p, mlir.lower_fun(lambda x, *, comm: x, multiple_results=False))
-ad.deflinear2(routable_p, lambda ct, x, *, comm: [ct])
+def _routable_jvp(primals, tangents, *, comm):
+    (x, shard), (dx, _) = primals, tangents
+    return routable_p.bind(x, shard, comm=comm), routable_p.bind(ad.instantiate_zeros(dx), shard, comm=comm)
+
+
+routable_p.def_impl(lambda x, shard, *, comm: x)
+routable_p.def_abstract_eval(lambda x, shard, *, comm: x)
+mlir.register_lowering(routable_p, mlir.lower_fun(lambda x, shard, *, comm: x, multiple_results=False))
+ad.primitive_jvps[routable_p] = _routable_jvp
+ad.primitive_transposes[routable_p] = lambda ct, x, shard, *, comm: [ct, None]
 batching.primitive_batchers[routable_p] = lambda args, dims, *, comm: (args[0], dims[0])
 
 

@@ -15,7 +15,7 @@ docs/benchmarks.md "Weight gradients from gathered activations").
 
 Only the matmul knows its ``x`` and ``dy``, so the step finds the matmuls: with
 ``FullyShardPolicy(weight_gradients="from_activations")`` a gathered matrix that qualifies
-(``LeafComm.routable``) is marked (``remat.routable_p``, carrying its ``LeafComm``), and
+(``LeafComm.routable``) is marked (``remat.routable_p``, carrying its shard and ``LeafComm``), and
 :func:`route_matmuls` rewrites the traced loss's ``dot_general`` equations that read a
 marked matrix as ``x @ w`` (``x``'s last dim contracted with ``w``'s first, no batch dims) into
 :func:`gathered_matmul`, a ``custom_vjp`` that gathers the shard for the product and, in
@@ -173,9 +173,9 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
     if mark is None or mark.primitive is not routable_p:
         return eqn
-    shard, x, comm = _shard_of(mark.invars[0], made), eqn.invars[0], mark.params["comm"]
-    if shard is None or not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape,
-                                       comm.layout.dim, comm.axes.shard_size):
+    (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
+    if not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
+                      comm.axes.shard_size):
         return eqn
     fn = functools.partial(gathered_matmul, comm, eqn.params["precision"],
                            eqn.params["preferred_element_type"])
@@ -199,15 +199,6 @@ def sends_less(rows: int, k: int, n: int, dim: int, devices: int) -> bool:
     """
     sharded, whole = (k, n) if dim == 0 else (n, k)
     return rows * sharded / devices + rows * whole < k * n / devices
-
-
-def _shard_of(gathered: Any, made: dict[Any, Any]) -> Any:
-    """The shard whose gather made ``gathered`` (through its ``FREE`` name), or ``None``."""
-    named = made.get(gathered)
-    gather = made.get(named.invars[0]) if named is not None and named.primitive.name == "name" else None
-    if gather is None or not gather.primitive.name.startswith("custom_vjp_call") or len(gather.invars) != 1:
-        return None
-    return gather.invars[0]
 
 
 def _live(eqns: list[Any], outvars: list[Any]) -> list[Any]:
