@@ -11,6 +11,7 @@ with Flax NNX's ``nnx.Linear`` layers.
 import dataclasses
 import re
 
+import flax.linen as nn_linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,7 @@ from flax import nnx
 from helpers import collective_dtypes
 
 import jshard as js
+from jshard.flax import linen as jlinen
 from jshard.flax import nnx as jnnx
 
 STEPS = 4
@@ -295,4 +297,53 @@ def test_nnx_scan_layers_routed_inside_the_loop():
     losses, model, text = _train_nnx(jnnx.fully_shard(model), jnnx.value_and_grad)
     _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
                   (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))), 1e-5)
+    assert _ops(text)["all_to_all"] == 2
+
+
+class _LinenLayer(nn_linen.Module):
+    @nn_linen.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn_linen.Dense(64, name="dense")(x)), None
+
+
+class _LinenMLP(nn_linen.Module):
+    """Flax Linen as its docs write a stack: ``nn.scan`` over a layer, then a head."""
+
+    layer: type = _LinenLayer
+
+    @nn_linen.compact
+    def __call__(self, x):
+        stack = nn_linen.scan(self.layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x, _ = stack(name="blocks")(x, None)
+        return nn_linen.Dense(8, name="head")(x)
+
+
+def _train_linen(model, params, grad_fn):
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, grads = grad_fn(loss_fn)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state, losses = tx.init(params), []
+    for batch in _batches():
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, _batches()[0]).as_text()
+
+
+def test_linen_nn_scan_layers_routed_inside_the_loop():
+    """The same through Linen's ``nn.scan``: the stacked kernels' gradients formed from
+    activations and ``dx`` from the shards in the loop, training as unsharded Linen does."""
+    x = _batches()[0]["x"]
+    init = _LinenMLP().init(jax.random.key(0), x)["params"]
+    ref = _train_linen(_LinenMLP(), init, jax.value_and_grad)
+    model = jlinen.fully_shard(_LinenMLP)(layer=jlinen.fully_shard(_LinenLayer, policy=ROUTED))
+    losses, params, text = _train_linen(model, jlinen.shard_params(model, init, x), jlinen.value_and_grad)
+    _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
     assert _ops(text)["all_to_all"] == 2
