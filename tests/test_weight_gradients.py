@@ -1,11 +1,13 @@
-"""``FullyShardPolicy(weight_gradients="from_activations")``: a matmul's weight gradient formed
-from gathered activations instead of reduced.
+"""``FullyShardPolicy(weight_gradients="from_activations")``: a matmul of a gathered matrix
+run on the shards with the activations exchanged, its weight gradient formed from them instead
+of reduced.
 
 The model: three unrolled units of 64-wide matrices (the second sharded on its output dim) and
-a root head, 16 rows in the batch (2 per device): each matrix's gradient sends fewer bytes
-from activations than reduced, so each of the three is routed; the root's head keeps its
-parameters gathered (``reshard_after_forward=False`` for the root) and is reduced. The same
-with Flax NNX's ``nnx.Linear`` layers.
+a root head, 16 rows in the batch (2 per device): each matrix's matmul sends fewer bytes with its
+activations exchanged than gathered and reduced, so each of the three is routed; the root's head
+keeps its parameters gathered (``reshard_after_forward=False`` for the root) and is reduced. The
+same with Flax NNX's ``nnx.Linear`` layers, and with stacked layers in ``js.scan``, ``nnx.scan``
+and Linen's ``nn.scan``.
 """
 
 import dataclasses
@@ -109,26 +111,28 @@ def _ops(text: str) -> dict[str, int]:
 
 
 def _matrix_gathers(text: str) -> int:
-    """All-gathers whose result is a 64-row matrix: the three layers' weights, gathered for compute."""
+    """All-gathers whose result is a 64-row matrix: the three layers' weights, gathered for compute
+    (forward, and again in backward)."""
     return len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x\d+x", text))
 
 
 @pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
 def test_parity_and_the_matmuls_routed(reference, replicate):
     """SGD with momentum, several steps: the unsharded reference's losses and parameters, with
-    three matrices' gradients formed from activations (two all-to-alls and one for the matrix
-    sharded on its outputs: three in all) instead of reduce-scattered."""
+    three matrices never gathered and their gradients formed from activations instead of
+    reduce-scattered."""
     mesh = js.make_mesh(replicate=replicate)
     routed = _train(ROUTED, mesh)
     _assert_close(routed, reference, 1e-5)
     reduced = _train(js.FullyShardPolicy(), mesh)
     _assert_close(reduced, reference, 1e-5)
     assert _ops(reduced[2]) == {"all_to_all": 0, "reduce_scatter": 5}  # three matrices, a bias, the head
-    # Each matrix's gradient (one all-to-all each); dx from the shard: l2's an all-to-all, l1's
-    # (sharded on its outputs) a reduce-scatter beside the bias's and the head's (l0's, of the
-    # batch, is not needed).
-    assert _ops(routed[2]) == {"all_to_all": 4, "reduce_scatter": 3}
-    assert (_matrix_gathers(reduced[2]), _matrix_gathers(routed[2])) == (4, 3)  # l1 re-gathered in backward, or not
+    # No matrix is gathered. l0 and l2 (sharded on their inputs): x's columns exchanged (an all-to-all),
+    # the partial products reduce-scattered, dx sent back by an all-to-all (l2's; l0's, of the batch,
+    # is not needed). l1 (on its outputs): x gathered (twice), the products sent back by an all-to-all,
+    # dy's columns exchanged, dx reduce-scattered. With the bias's and the head's reduce-scatters:
+    assert _ops(routed[2]) == {"all_to_all": 5, "reduce_scatter": 5}
+    assert (_matrix_gathers(reduced[2]), _matrix_gathers(routed[2])) == (4, 0)
 
 
 def test_mixed_precision_gathers_and_exchanges_in_param_dtype():
@@ -202,9 +206,9 @@ def _train_nnx(model, grad_fn):
 
 
 def test_nnx_linear_layers_train_as_unsharded_nnx():
-    """Each ``nnx.Linear`` of an unrolled NNX MLP a unit with the option: its kernel's gradient
-    formed from activations (three all-to-alls) and ``dx`` from its shard (two more: the first
-    layer's, of the batch, is not needed), training as unsharded NNX does."""
+    """Each ``nnx.Linear`` of an unrolled NNX MLP a unit with the option: its kernel never
+    gathered (``x``'s columns exchanged, three all-to-alls, and ``dx`` sent back, two more: the
+    first layer's, of the batch, is not needed), training as unsharded NNX does."""
     ref_losses, ref_model, _ = _train_nnx(_MLP(nnx.Rngs(0)), nnx.value_and_grad)
     model = _MLP(nnx.Rngs(0))
     for layer in model.layers:
@@ -247,9 +251,9 @@ def _train_stacked(params, grad_fn):
 
 
 def test_stacked_layers_routed_inside_the_loop():
-    """Layers stacked under ``js.scan``: each iteration's two matmuls form their gradients from
-    activations and ``dx`` from the shards (two all-to-alls each, in the loop body) and training
-    follows the unsharded ``lax.scan`` reference."""
+    """Layers stacked under ``js.scan``: each iteration's two matmuls run on the shards with their
+    activations exchanged (in the loop body) and training follows the unsharded ``lax.scan``
+    reference."""
     mesh = js.make_mesh()
     init = _stacked_init()
     ref = _train_stacked(init, lambda f: jax.value_and_grad(f))
@@ -257,7 +261,8 @@ def test_stacked_layers_routed_inside_the_loop():
                             "head": init["head"]}, mesh, ROUTED)
     losses, params, text = _train_stacked(units, lambda f: js.value_and_grad(f, unshard_params=False))
     _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
-    assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 1}  # up and down in the loop; the head reduced
+    # up and down in the loop: x's columns and dx exchanged, the products reduce-scattered; the head reduced
+    assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 3}
 
 
 class _Block(nnx.Module):
@@ -289,8 +294,8 @@ class _ScannedMLP(nnx.Module):
 
 
 def test_nnx_scan_layers_routed_inside_the_loop():
-    """The same through ``nnx.scan``: the stacked kernels' gradients formed from activations and
-    ``dx`` from the shards in the loop, training as unsharded NNX does."""
+    """The same through ``nnx.scan``: the stacked kernels never gathered in the loop (``x``'s
+    columns and ``dx`` exchanged), training as unsharded NNX does."""
     ref_losses, ref_model, _ = _train_nnx(_ScannedMLP(nnx.Rngs(0)), nnx.value_and_grad)
     model = _ScannedMLP(nnx.Rngs(0))
     jnnx.fully_shard(model.blocks, policy=dataclasses.replace(ROUTED, scan_axis=0))
@@ -338,8 +343,8 @@ def _train_linen(model, params, grad_fn):
 
 
 def test_linen_nn_scan_layers_routed_inside_the_loop():
-    """The same through Linen's ``nn.scan``: the stacked kernels' gradients formed from
-    activations and ``dx`` from the shards in the loop, training as unsharded Linen does."""
+    """The same through Linen's ``nn.scan``: the stacked kernels never gathered in the loop,
+    training as unsharded Linen does."""
     x = _batches()[0]["x"]
     init = _LinenMLP().init(jax.random.key(0), x)["params"]
     ref = _train_linen(_LinenMLP(), init, jax.value_and_grad)

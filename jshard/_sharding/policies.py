@@ -258,12 +258,13 @@ class FullyShardPolicy:
         every device from its own rows and reduce-scattered, as in FSDP2.
         ``"from_activations"``: where the unit's matrix ``w`` (2-D, sharded without padding,
         freed after forward, no model axes, offload or custom collectives) is read by a matmul
-        ``x @ w`` (in straight-line code or a loop over stacked layers), that matmul forms this
-        device's block of the gradient from every device's ``x`` (an all-to-all) and ``dy`` (an
-        all-gather) instead, and ``dx`` from the shard: the whole gradient never exists and
-        backward does not gather ``w``: fewer bytes and less memory where the global batch has
-        fewer rows than ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md,
-        "Weight gradients from gathered activations"). Other uses keep the reduction.
+        ``x @ w`` (in straight-line code or a loop over stacked layers), that matmul runs on the
+        shard with the activations exchanged instead (all-to-alls of ``x``, ``dx`` and partial
+        products, all-gathers of ``dy``), forward and backward, and forms this device's block of
+        the gradient from them: neither the gathered ``w`` nor its whole gradient exists; fewer
+        bytes and less memory where the global batch has fewer rows than ``w`` has inputs
+        (GSPMD's choice at such batches; docs/benchmarks.md, "Weight gradients from gathered
+        activations"). Other uses keep the gather and the reduction.
 
     Example:
       >>> import jshard as js

@@ -16,23 +16,27 @@ docs/benchmarks.md "Weight gradients from gathered activations").
 Only the matmul knows its ``x`` and ``dy``, so the step finds the matmuls: with
 ``FullyShardPolicy(weight_gradients="from_activations")`` a gathered matrix that qualifies
 (``LeafComm.routable``) is marked (``remat.routable_p``, carrying its shard and ``LeafComm``), and
-:func:`route_matmuls` rewrites the traced loss's ``dot_general`` equations that read a
-marked matrix as ``x @ w`` (``x``'s last dim contracted with ``w``'s first, no batch dims) into
-:func:`gathered_matmul`, a ``custom_vjp`` that gathers the shard for the product and, in
-backward, forms the shard's gradient as above, finished as a reduced one
-(``gather.reduce_summed``), where that sends fewer bytes than the reduction
-(:func:`sends_less`: fewer rows in the global batch than ``K``, roughly). Its ``dx`` comes from
-the shard too, never gathered again: the exchanged ``dy`` times the shard is every device's rows
-of this device's columns of ``dx`` (sent back to their rows by an all-to-all) for a matrix
-sharded on its inputs, and every device's rows of this device's part of the sum (reduce-scattered)
-for one sharded on its outputs: ``M K (n-1)/n`` or ``M K (n-1)`` elements where a re-gather
-sends ``K N (n-1)/n``, fewer wherever :func:`sends_less` holds, and no gathered matrix in
-backward. The original gather is then dead unless something else reads the matrix (its gradient
-is reduced as before and the two add up). Matmuls in the bodies of loops over stacked layers (``js.scan``, ``nnx.scan``,
+:func:`route_matmuls` rewrites the traced loss's ``dot_general`` equations that read a marked
+matrix as ``x @ w`` (``x``'s last dim contracted with ``w``'s first, no batch dims) into
+:func:`routed_matmul`, a ``custom_vjp`` that never gathers the matrix, where that sends fewer bytes
+(:func:`sends_less`: fewer rows in the global batch than ``K``, roughly). For a matrix sharded on
+its inputs, forward multiplies the ``x[:, K_d]`` columns of every device's rows (an all-to-all) by
+the shard and reduce-scatters the partial products to their rows; backward forms the gradient's
+block from those columns (kept from forward) and every device's ``dy`` (an all-gather), and ``dx``
+as every device's rows of this device's columns (``dy`` times the shard), sent back by an
+all-to-all. For one sharded on its outputs, forward multiplies every device's rows (an all-gather)
+by the shard and sends each device its rows of this device's outputs (an all-to-all); backward
+gathers ``x`` again (every device's rows kept from forward would be ``n`` times ``x``), exchanges
+``dy``'s columns and reduce-scatters ``dx``'s partial sums. Each exchange sends fewer elements than
+the gather, re-gather or reduction it replaces wherever :func:`sends_less` holds, and neither the
+gathered matrix nor its whole gradient exists. The gradient is finished as a reduced one
+(``gather.reduce_summed``: ``reduce_dtype``, the replicas' all-reduce, the division). The original
+gather is then dead unless something else reads the matrix (its gradient is reduced as before and
+the two add up). Matmuls in the bodies of loops over stacked layers (``js.scan``, ``nnx.scan``,
 ``nn.scan``: a ``scan`` and the step's checkpoint of one layer) and of ``jit`` calls are rewritten
 too: a layer's matmul reads its gathered slice there (v5p 2x2x2, training step: the sweep's 8
-stacked MLP models with activations kept fall, GELU 4x512 in bf16 9.77 -> 6.05 MiB against the
-recipe's 10.14, with the async-collective flags 11.35 -> 7.85 against 10.30). A ``jax.checkpoint``
+stacked MLP models with activations kept fall, GELU 4x512 in bf16 9.77 -> 5.36 MiB against the
+recipe's 10.14, with the async-collective flags 11.35 -> 5.37 against 10.30). A ``jax.checkpoint``
 the user wrote, or any under a ``remat_policy`` (the step runs :func:`route_matmuls` under its own
 policy only), is left alone: inside a checkpoint a ``custom_vjp``'s residual ``x`` is kept whatever
 the policy, so a recomputed GELU block kept its GELU's output (v5p, eight unrolled 1536 -> 4608
@@ -49,67 +53,56 @@ import jax
 from jax.extend import core as jcore
 
 from jshard._step import collectives as C
-from jshard._step.gather import LeafComm, gather_cast, reduce_summed
+from jshard._step.gather import LeafComm, reduce_summed
 from jshard._step.remat import REMAT_POLICY, checkpoint_primitive, loop_policy, routable_p
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def gathered_matmul(comm: LeafComm, precision: Any, preferred: Any, x: jax.Array, shard: jax.Array) -> jax.Array:
-    """``x @ gather(shard)`` whose gradient for ``shard`` is formed from gathered activations
-    (see the Note); ``precision`` and ``preferred`` are the matmul's own."""
-    return _matmul(precision, preferred, x, gather_cast(comm, shard))
+def routed_matmul(comm: LeafComm, precision: Any, preferred: Any, x: jax.Array, shard: jax.Array) -> jax.Array:
+    """``x @ gather(shard)``, formed from exchanged activations and the shard (see the Note);
+    ``precision`` and ``preferred`` are the matmul's own."""
+    return _fwd(comm, precision, preferred, x, shard)[0]
 
 
-def _matmul(precision, preferred, x, w):
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
-                               preferred_element_type=preferred)
+def _dot(a, b, contract, precision=None, preferred=None):
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred)
 
 
 def _fwd(comm, precision, preferred, x, shard):
-    return gathered_matmul(comm, precision, preferred, x, shard), (x, shard)
+    axes, rows, w = comm.axes.shard, x.reshape(-1, x.shape[-1]), shard.astype(comm.param_dtype)
+    if comm.layout.dim == 0:  # this device's inputs of every device's rows, times the shard: partial sums
+        x_cols = jax.lax.all_to_all(rows, axes, split_axis=1, concat_axis=0, tiled=True)
+        y = C.reduce_scatter(_dot(x_cols, w, ((1,), (0,)), precision, preferred), axes, 0, comm.scatter_phases)
+        saved = x_cols
+    else:  # every device's rows times the shard: this device's outputs of every row
+        x_all = C.all_gather(rows, axes, 0, phases=comm.axes.gather_phases)
+        y = jax.lax.all_to_all(_dot(x_all, w, ((1,), (0,)), precision, preferred), axes, split_axis=0,
+                               concat_axis=1, tiled=True)
+        saved = x  # gathered again in backward: every device's rows are n times this device's
+    return y.reshape(x.shape[:-1] + y.shape[-1:]), (saved, shard)
 
 
 def _bwd(comm, precision, preferred, residuals, dy):
-    x, shard = residuals
-    rows_x, rows_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    x_all, dy_all = _exchanged(comm, rows_x, rows_dy)
-    w = shard.astype(comm.param_dtype)  # never gathered in backward: dx is formed from the shard too
-    gradient = jax.lax.dot_general(x_all, dy_all, (((0,), (0,)), ((), ()))).astype(w.dtype)
-    return _dx(comm, precision, preferred, dy_all, w).reshape(x.shape).astype(x.dtype), reduce_summed(comm, gradient)
-
-
-def _exchanged(comm: LeafComm, rows_x: jax.Array, rows_dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Every device's rows of ``x`` and ``dy``, each cut to this device's columns on the matrix's
-    sharded side: their product over the rows is this device's block of ``sum over devices of
-    x^T dy`` (see the Note)."""
-    axes, phases = comm.axes.shard, comm.axes.gather_phases
-    if comm.layout.dim == 0:  # this device's inputs of every device's rows, every device's dy
-        return (jax.lax.all_to_all(rows_x, axes, split_axis=1, concat_axis=0, tiled=True),
-                C.all_gather(rows_dy, axes, 0, phases=phases))
-    # every device's rows, this device's outputs of every device's dy
-    return (C.all_gather(rows_x, axes, 0, phases=phases),
-            jax.lax.all_to_all(rows_dy, axes, split_axis=1, concat_axis=0, tiled=True))
-
-
-def _dx(comm: LeafComm, precision: Any, preferred: Any, dy_all: jax.Array, w: jax.Array) -> jax.Array:
-    """This device's rows of ``dx = dy @ w^T`` from the exchanged ``dy`` and the shard ``w``: for
-    a matrix sharded on its inputs every device's rows of this device's columns of ``dx``, sent
-    back to their devices (an all-to-all); on its outputs every device's rows of this device's
-    part of the sum, reduce-scattered. ``M K (n-1)/n`` and ``M K (n-1)`` elements sent, fewer than
-    the re-gather's ``K N (n-1)/n`` wherever the route applies."""
-    part = jax.lax.dot_general(dy_all, w, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=preferred)
+    saved, shard = residuals
+    axes, w, rows_dy = comm.axes.shard, shard.astype(comm.param_dtype), dy.reshape(-1, dy.shape[-1])
     if comm.layout.dim == 0:
-        return jax.lax.all_to_all(part, comm.axes.shard, split_axis=0, concat_axis=1, tiled=True)
-    return C.reduce_scatter(part, comm.axes.shard, 0, comm.scatter_phases)
+        x_ex, dy_ex = saved, C.all_gather(rows_dy, axes, 0, phases=comm.axes.gather_phases)
+        dx = jax.lax.all_to_all(_dot(dy_ex, w, ((1,), (1,)), precision, preferred), axes, split_axis=0,
+                                concat_axis=1, tiled=True)
+    else:
+        x_ex = C.all_gather(saved.reshape(-1, saved.shape[-1]), axes, 0, phases=comm.axes.gather_phases)
+        dy_ex = jax.lax.all_to_all(rows_dy, axes, split_axis=1, concat_axis=0, tiled=True)
+        dx = C.reduce_scatter(_dot(dy_ex, w, ((1,), (1,)), precision, preferred), axes, 0, comm.scatter_phases)
+    gradient = _dot(x_ex, dy_ex, ((0,), (0,))).astype(w.dtype)
+    return dx.reshape(dy.shape[:-1] + dx.shape[-1:]).astype(saved.dtype), reduce_summed(comm, gradient)
 
 
-gathered_matmul.defvjp(_fwd, _bwd)
+routed_matmul.defvjp(_fwd, _bwd)
 
 
 def route_matmuls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     """``closed`` with every ``x @ w`` of a marked gathered matrix ``w`` taken by
-    :func:`gathered_matmul`, at its top level and in the loops and step checkpoints it runs (see
+    :func:`routed_matmul`, at its top level and in the loops and step checkpoints it runs (see
     the Note); unchanged where there is none.
 
     Example:
@@ -167,7 +160,7 @@ _STEP_POLICIES = (REMAT_POLICY, loop_policy(REMAT_POLICY))
 
 
 def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
-    """The equation of :func:`gathered_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
+    """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
@@ -177,7 +170,7 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     if not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
                       comm.axes.shard_size):
         return eqn
-    fn = functools.partial(gathered_matmul, comm, eqn.params["precision"],
+    fn = functools.partial(routed_matmul, comm, eqn.params["precision"],
                            eqn.params["preferred_element_type"])
     traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (x, shard)))
     (call,) = traced.jaxpr.eqns
@@ -188,10 +181,12 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
 
 
 def sends_less(rows: int, k: int, n: int, dim: int, devices: int) -> bool:
-    """Whether forming the gradient of a ``[k, n]`` matrix sharded on ``dim`` from ``rows`` rows
-    per device of activations sends fewer elements per device than reducing it over ``devices``
-    devices (see the Note): the sharded side's activations are exchanged (all-to-all), the
-    other side's gathered whole.
+    """Whether a matmul with a ``[k, n]`` matrix sharded on ``dim`` over ``devices`` devices and
+    ``rows`` rows per device of activations sends fewer elements per device with its activations
+    exchanged than with the matrix gathered (see the Note): the sharded side's activations go
+    through an all-to-all, the other side's are gathered (or reduce-scattered) whole. The same
+    inequality holds for forward against the gather, and for backward against the re-gather and
+    against the gradient's reduction.
 
     Example:
       >>> sends_less(64, 1536, 1536, 0, 8), sends_less(512, 256, 768, 0, 8)  # an MLP at batch 512, a transformer
