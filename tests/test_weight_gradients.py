@@ -25,6 +25,7 @@ from helpers import collective_dtypes
 import jshard as js
 from jshard.flax import linen as jlinen
 from jshard.flax import nnx as jnnx
+from jshard.report import matmul_flops
 
 STEPS = 4
 ROUTED = js.FullyShardPolicy(weight_gradients="from_activations")
@@ -151,8 +152,9 @@ def test_mixed_precision_gathers_and_exchanges_in_param_dtype():
 
 def test_not_routed_where_reducing_sends_less_or_under_a_remat_policy(reference):
     """At 64 rows per device a 64 x 64 matrix's gradient sends fewer bytes reduced; under a
-    ``remat_policy`` the matmuls are left alone (a ``custom_vjp`` keeps its residuals whatever
-    the policy); both still train as the reference does where they apply."""
+    ``remat_policy`` the unrolled units' matmuls are left alone (their segments are checkpointed
+    after the route, and a ``custom_vjp`` keeps its residuals whatever the policy); both still
+    train as the reference does where they apply."""
     mesh = js.make_mesh()
     big = _batches(rows=512)[0]
     text = jax.jit(js.value_and_grad(_loss, unshard_params=False)).lower(_shard(_init(), mesh, ROUTED), big).as_text()
@@ -219,19 +221,31 @@ def test_nnx_linear_layers_train_as_unsharded_nnx():
     assert _ops(text)["all_to_all"] == 5
 
 
+def _layer(h, layer):  # a GELU block (up, down) or a tanh layer (w)
+    if "w" in layer:
+        return jnp.tanh(h @ layer["w"]), None
+    return h + jax.nn.gelu(h @ layer["up"]) @ layer["down"], None
+
+
 def _stacked_loss(params, batch):
     stack, head = (params["stack"], params["head"]) if not isinstance(params, js.FSDPUnit) else (
         js.unshard(params)["stack"], js.unshard(params)["head"])
     scan = js.scan if isinstance(stack, js.FSDPUnit) else jax.lax.scan
-    h, _ = scan(lambda h, layer: (h + jax.nn.gelu(h @ layer["up"]) @ layer["down"], None), batch["x"], stack)
+    h, _ = scan(_layer, batch["x"], stack)
     return jnp.mean((h @ head["w"] - batch["y"]) ** 2)
 
 
-def _stacked_init(layers=3):
+def _stacked_init(layers=3, gelu=True):
     rng = np.random.default_rng(2)
-    return {"stack": {"up": jnp.asarray(rng.normal(size=(layers, 64, 96)) / 8, jnp.float32),
-                      "down": jnp.asarray(rng.normal(size=(layers, 96, 64)) / 10, jnp.float32)},
-            "head": {"w": jnp.asarray(rng.normal(size=(64, 8)) / 8, jnp.float32)}}
+    stack = ({"up": jnp.asarray(rng.normal(size=(layers, 64, 96)) / 8, jnp.float32),
+              "down": jnp.asarray(rng.normal(size=(layers, 96, 64)) / 10, jnp.float32)} if gelu else
+             {"w": jnp.asarray(rng.normal(size=(layers, 64, 64)) / 8, jnp.float32)})
+    return {"stack": stack, "head": {"w": jnp.asarray(rng.normal(size=(64, 8)) / 8, jnp.float32)}}
+
+
+def _stacked_units(init, mesh):
+    return js.fully_shard({"stack": js.fully_shard(init["stack"], mesh, dataclasses.replace(ROUTED, scan_axis=0)),
+                           "head": init["head"]}, mesh, ROUTED)
 
 
 def _train_stacked(params, grad_fn):
@@ -254,15 +268,47 @@ def test_stacked_layers_routed_inside_the_loop():
     """Layers stacked under ``js.scan``: each iteration's two matmuls run on the shards with their
     activations exchanged (in the loop body) and training follows the unsharded ``lax.scan``
     reference."""
-    mesh = js.make_mesh()
     init = _stacked_init()
     ref = _train_stacked(init, lambda f: jax.value_and_grad(f))
-    units = js.fully_shard({"stack": js.fully_shard(init["stack"], mesh, dataclasses.replace(ROUTED, scan_axis=0)),
-                            "head": init["head"]}, mesh, ROUTED)
-    losses, params, text = _train_stacked(units, lambda f: js.value_and_grad(f, unshard_params=False))
+    losses, params, text = _train_stacked(_stacked_units(init, js.make_mesh()),
+                                          lambda f: js.value_and_grad(f, unshard_params=False))
     _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
     # up and down in the loop: x's columns and dx exchanged, the products reduce-scattered; the head reduced
     assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 3}
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["tanh-routed", "gelu-not-routed"])
+def test_recomputed_layers_routed_whole_or_not_at_all(gelu):
+    """Under a ``remat_policy`` a stacked layer is routed where every matmul of a gathered matrix
+    reads the layer's input (a tanh layer: its ``x`` is the carry, which the checkpoint keeps
+    anyway), and not at all where one does not (a GELU block's second matrix reads the GELU's
+    output); either way training follows ``jax.checkpoint(layer)`` in ``lax.scan`` with the same
+    policy, and the matmul FLOPs are the recipe's."""
+    policy = jax.checkpoint_policies.nothing_saveable
+    init = _stacked_init(gelu=gelu)
+
+    def reference(f):  # the recipe's recomputation: each layer under jax.checkpoint
+        def loss(p, batch):
+            h, _ = jax.lax.scan(jax.checkpoint(_layer, policy=policy), batch["x"], p["stack"])
+            return jnp.mean((h @ p["head"]["w"] - batch["y"]) ** 2)
+        return jax.value_and_grad(loss)
+
+    ref = _train_stacked(init, reference)
+    losses, params, text = _train_stacked(_stacked_units(init, js.make_mesh()),
+                                          lambda f: js.value_and_grad(f, unshard_params=False, remat_policy=policy))
+    _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
+    # tanh: x's columns exchanged and the products reduce-scattered in forward and again in its
+    # recomputation, dx exchanged; the head's gradient reduce-scattered
+    assert _ops(text) == ({"all_to_all": 0, "reduce_scatter": 3} if gelu else {"all_to_all": 3, "reduce_scatter": 3})
+    ours = jax.jit(js.value_and_grad(_stacked_loss, unshard_params=False, remat_policy=policy))
+    recipe = jax.jit(reference(_stacked_loss))
+    batch = _batches()[0]
+    assert 8 * _flops(ours.lower(_stacked_units(init, js.make_mesh()), batch)) == _flops(recipe.lower(init, batch))
+
+
+def _flops(lowered) -> float:
+    """Matmul FLOPs of the compiled program (per device; loop trips counted)."""
+    return matmul_flops(lowered.compile().as_text())
 
 
 class _Block(nnx.Module):

@@ -259,12 +259,13 @@ class FullyShardPolicy:
         ``"from_activations"``: where the unit's matrix ``w`` (2-D, sharded without padding,
         freed after forward, no model axes, offload or custom collectives) is read by a matmul
         ``x @ w`` (in straight-line code or a loop over stacked layers), that matmul runs on the
-        shard with the activations exchanged instead (all-to-alls of ``x``, ``dx`` and partial
-        products, all-gathers of ``dy``), forward and backward, and forms this device's block of
-        the gradient from them: neither the gathered ``w`` nor its whole gradient exists; fewer
-        bytes and less memory where the global batch has fewer rows than ``w`` has inputs
-        (GSPMD's choice at such batches; docs/benchmarks.md, "Weight gradients from gathered
-        activations"). Other uses keep the gather and the reduction.
+        shard with the activations exchanged instead (all-to-alls and all-gathers of ``x``,
+        ``dy`` and ``dx``, reduce-scatters of partial products), forward and backward, and forms
+        this device's block of the gradient from them: neither the gathered ``w`` nor its whole
+        gradient exists; fewer bytes and less memory where the global batch has fewer rows than
+        ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md, "Weight gradients
+        from gathered activations"). Under a ``remat_policy`` only in a recomputed layer whose
+        matmuls all read its input. Other uses keep the gather and the reduction.
 
     Example:
       >>> import jshard as js

@@ -291,8 +291,7 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefe
 
     def run(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if policy is REMAT_POLICY:  # [Note: weight gradient route]
-            closed = route_matmuls(closed)
+        closed = route_matmuls(closed, policy)  # [Note: weight gradient route]
         jaxpr = closed.jaxpr
         params = set(jaxpr.invars[:n_params]) | set(jaxpr.constvars)
         pieces = _split(jaxpr.eqns, params)
