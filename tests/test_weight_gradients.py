@@ -221,10 +221,11 @@ def test_nnx_linear_layers_train_as_unsharded_nnx():
     assert _ops(text)["all_to_all"] == 5
 
 
-def _layer(h, layer):  # a GELU block (up, down) or a tanh layer (w)
+def _layer(h, layer):  # a tanh layer (w), a GELU block (up, down), or one whose up is read transposed
     if "w" in layer:
         return jnp.tanh(h @ layer["w"]), None
-    return h + jax.nn.gelu(h @ layer["up"]) @ layer["down"], None
+    up = h @ layer["up"] if "up" in layer else h @ layer["up_t"].T
+    return h + jax.nn.gelu(up) @ layer["down"], None
 
 
 def _stacked_loss(params, batch):
@@ -235,11 +236,14 @@ def _stacked_loss(params, batch):
     return jnp.mean((h @ head["w"] - batch["y"]) ** 2)
 
 
-def _stacked_init(layers=3, gelu=True):
+def _stacked_init(layers=3, kind="gelu"):
     rng = np.random.default_rng(2)
-    stack = ({"up": jnp.asarray(rng.normal(size=(layers, 64, 96)) / 8, jnp.float32),
-              "down": jnp.asarray(rng.normal(size=(layers, 96, 64)) / 10, jnp.float32)} if gelu else
-             {"w": jnp.asarray(rng.normal(size=(layers, 64, 64)) / 8, jnp.float32)})
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=(layers, *shape)) / np.sqrt(shape[0]), jnp.float32)
+
+    stack = {"tanh": lambda: {"w": normal(64, 64)}, "gelu": lambda: {"up": normal(64, 96), "down": normal(96, 64)},
+             "gelu_t": lambda: {"up_t": normal(96, 64), "down": normal(96, 64)}}[kind]()
     return {"stack": stack, "head": {"w": jnp.asarray(rng.normal(size=(64, 8)) / 8, jnp.float32)}}
 
 
@@ -277,15 +281,22 @@ def test_stacked_layers_routed_inside_the_loop():
     assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 3}
 
 
-@pytest.mark.parametrize("gelu", [False, True], ids=["tanh-routed", "gelu-not-routed"])
-def test_recomputed_layers_routed_whole_or_not_at_all(gelu):
-    """Under a ``remat_policy`` a stacked layer is routed where every matmul of a gathered matrix
-    reads the layer's input (a tanh layer: its ``x`` is the carry, which the checkpoint keeps
-    anyway), and not at all where one does not (a GELU block's second matrix reads the GELU's
-    output); either way training follows ``jax.checkpoint(layer)`` in ``lax.scan`` with the same
-    policy, and the matmul FLOPs are the recipe's."""
+# Under nothing_saveable: x's columns exchanged and the products reduce-scattered in forward, again
+# where the recomputation needs them, and dx exchanged; the head's gradient reduce-scattered.
+RECOMPUTED_OPS = {"tanh": {"all_to_all": 3, "reduce_scatter": 3},
+                  "gelu": {"all_to_all": 6, "reduce_scatter": 4},  # down's product is not recomputed
+                  "gelu_t": {"all_to_all": 0, "reduce_scatter": 3}}  # up read transposed: neither routed
+
+
+@pytest.mark.parametrize("kind", sorted(RECOMPUTED_OPS))
+def test_recomputed_layers_routed_whole_or_not_at_all(kind):
+    """Under a ``remat_policy`` a stacked layer (its checkpoint) is routed where every matmul of a
+    gathered matrix in it can be (a tanh layer, a GELU block), and not at all where one cannot (a
+    GELU block whose first matrix is read transposed: its second is left gathered too); training
+    follows ``jax.checkpoint(layer)`` in ``lax.scan`` with the same policy, with the recipe's
+    matmul FLOPs."""
     policy = jax.checkpoint_policies.nothing_saveable
-    init = _stacked_init(gelu=gelu)
+    init = _stacked_init(kind=kind)
 
     def reference(f):  # the recipe's recomputation: each layer under jax.checkpoint
         def loss(p, batch):
@@ -297,9 +308,7 @@ def test_recomputed_layers_routed_whole_or_not_at_all(gelu):
     losses, params, text = _train_stacked(_stacked_units(init, js.make_mesh()),
                                           lambda f: js.value_and_grad(f, unshard_params=False, remat_policy=policy))
     _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
-    # tanh: x's columns exchanged and the products reduce-scattered in forward and again in its
-    # recomputation, dx exchanged; the head's gradient reduce-scattered
-    assert _ops(text) == ({"all_to_all": 0, "reduce_scatter": 3} if gelu else {"all_to_all": 3, "reduce_scatter": 3})
+    assert _ops(text) == RECOMPUTED_OPS[kind]
     ours = jax.jit(js.value_and_grad(_stacked_loss, unshard_params=False, remat_policy=policy))
     recipe = jax.jit(reference(_stacked_loss))
     batch = _batches()[0]

@@ -38,16 +38,14 @@ too: a layer's matmul reads its gathered slice there (v5p 2x2x2, training step: 
 stacked MLP models with activations kept fall, GELU 4x512 in bf16 9.77 -> 5.36 MiB against the
 recipe's 10.14, with the async-collective flags 11.35 -> 5.37 against 10.30). A recomputed layer, a
 checkpoint under another policy than jshard's own (the step's of a stacked layer under a
-``remat_policy``, or one the user wrote), is routed where every matmul of a marked matrix in it
-reads one of the layer's inputs, which the checkpoint keeps anyway, and left alone otherwise: whole
-or not at all. Inside a checkpoint a ``custom_vjp``'s residuals are kept whatever the policy: every
-matmul of eight unrolled 1536 -> 4608 GELU blocks routed under ``nothing_saveable`` (a matrix still
-gathered in forward then) kept each GELU's output, 0.85x the recipe's matmul FLOPs and a peak of
-242.18 MiB against 143.06; routing a stacked GELU block's first matrix alone (its second reads the
-GELU's output) raised the 8x1536 blocks, 148.00 -> 156.59 MiB in bf16 against the recipe's 148.53;
-the four stacked tanh models recomputed, routed whole, went from 0.98-1.00x the recipe's peak to
-0.53-0.74x, FLOPs unchanged (v5p 2x2x2, training step). The segments of unrolled units are
-checkpointed after routing: their matmuls are not. In custom derivatives the mark is an identity.
+``remat_policy``, or one the user wrote), is routed whole or not at all: left alone where a marked
+matrix in it would stay gathered (read other than as ``x @ w``, or where gathering sends less).
+Inside a checkpoint a ``custom_vjp``'s residuals are kept whatever the policy; routing a stacked
+GELU block's first matrix alone raised the 8x1536 blocks (148.00 -> 156.59 MiB in bf16 against the
+recipe's 148.53), routing the layer whole takes the stacked MLP models recomputed from 0.96-1.14x
+the recipe's peak to 0.53-0.89x, FLOPs unchanged (v5p 2x2x2, training step). The segments of
+unrolled units are checkpointed after routing: their matmuls are not. In custom derivatives the
+mark is an identity.
 """
 
 from __future__ import annotations
@@ -109,9 +107,9 @@ routed_matmul.defvjp(_fwd, _bwd)
 def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcore.ClosedJaxpr:
     """``closed``, traced under the step's ``policy``, with the ``x @ w`` of marked gathered
     matrices ``w`` taken by :func:`routed_matmul`: under jshard's own policy those at the top level
-    and in the loops and step checkpoints it runs; in a recomputed layer (a checkpoint under
-    another policy) those whose ``x`` are the layer's inputs, where all of its are; nothing else
-    under a ``remat_policy`` (see the Note). Unchanged where there is none.
+    and in the loops and step checkpoints it runs; under any, those of a recomputed layer (a
+    checkpoint under another policy), where all of its are (see the Note). Unchanged where there
+    is none.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -119,63 +117,63 @@ def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcor
       >>> route_matmuls(closed) is closed  # nothing marked
       True
     """
-    return _routed_closed(closed, None if policy is REMAT_POLICY else frozenset())
+    return _routed_closed(closed, here=policy is REMAT_POLICY)
 
 
-# ``inputs``, below: ``None`` where any ``x`` may be routed (jshard's own policy), else the values
-# an ``x`` must be one of (a recomputed layer's inputs; none outside such a layer).
+# ``here``, below: whether the matmuls of this jaxpr itself are routed (not at the top level of a
+# loss under a ``remat_policy``, whose unrolled segments are checkpointed after the route).
 
 
-def _routed_closed(closed: jcore.ClosedJaxpr, inputs: frozenset | None) -> jcore.ClosedJaxpr:
-    jaxpr = _routed_jaxpr(closed.jaxpr, inputs)
+def _routed_closed(closed: jcore.ClosedJaxpr, here: bool) -> jcore.ClosedJaxpr:
+    jaxpr = _routed_jaxpr(closed.jaxpr, here)
     return closed if jaxpr is closed.jaxpr else jcore.ClosedJaxpr(jaxpr, closed.consts)
 
 
-def _routed_jaxpr(jaxpr: jcore.Jaxpr, inputs: frozenset | None) -> jcore.Jaxpr:
+def _routed_jaxpr(jaxpr: jcore.Jaxpr, here: bool) -> jcore.Jaxpr:
     """``jaxpr`` with its matmuls routed, in the loop bodies and checkpoints it runs too."""
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
-        routed = _routed(eqn, made, inputs) if eqn.primitive.name == "dot_general" else _routed_inside(eqn, inputs)
+        if eqn.primitive.name == "dot_general":
+            routed = _routed(eqn, made) if here else eqn
+        else:
+            routed = _routed_inside(eqn, here)
         changed |= routed is not eqn
         eqns.append(routed)
     return jaxpr.replace(eqns=_live(eqns, jaxpr.outvars)) if changed else jaxpr
 
 
-def _routed_inside(eqn: Any, inputs: frozenset | None) -> Any:
+def _routed_inside(eqn: Any, here: bool) -> Any:
     """``eqn`` with the matmuls of its nested jaxprs routed, where it is a loop (``js.scan``,
     ``nnx.scan``, ``nn.scan``), a ``jit`` or a checkpoint: one of jshard's own policy (a stacked
     layer's under it) as its surroundings; one under another policy (a recomputed layer: the
-    step's under a ``remat_policy``, or one the user wrote) where its matmuls of marked matrices
-    all read its inputs, which it keeps anyway, and not at all otherwise: a ``custom_vjp``'s
-    residuals are kept whatever the policy says (see the Note). Never in a custom derivative,
-    whose rule would still read the matmul it had."""
+    step's under a ``remat_policy``, or one the user wrote) whole or not at all (see the Note).
+    Never in a custom derivative, whose rule would still read the matmul it had."""
     checkpoint = eqn.primitive is checkpoint_primitive()
-    if checkpoint and eqn.params["policy"] not in _STEP_POLICIES:
-        inputs = frozenset(eqn.params["jaxpr"].invars)
-    elif not checkpoint and eqn.primitive.name not in _NESTED:
+    recomputed = checkpoint and eqn.params["policy"] not in _STEP_POLICIES
+    if not checkpoint and eqn.primitive.name not in _NESTED:
         return eqn
+    here = here or recomputed
     params = {}
     for key in _NESTED.get(eqn.primitive.name, ("jaxpr",)):
         value = eqn.params[key]
         if isinstance(value, tuple):
-            routed = tuple(_routed_closed(v, inputs) for v in value)
+            routed = tuple(_routed_closed(v, here) for v in value)
             changed = any(r is not v for r, v in zip(routed, value, strict=True))
         else:
-            routed = (_routed_closed if isinstance(value, jcore.ClosedJaxpr) else _routed_jaxpr)(value, inputs)
+            routed = (_routed_closed if isinstance(value, jcore.ClosedJaxpr) else _routed_jaxpr)(value, here)
             changed = routed is not value
         if changed:
             params[key] = routed
-    if not params or checkpoint and inputs is not None and _reads_marked(params["jaxpr"]):
+    if not params or recomputed and _still_gathers(params["jaxpr"]):
         return eqn
     return eqn.replace(params={**eqn.params, **params})
 
 
-def _reads_marked(jaxpr: jcore.Jaxpr) -> bool:
-    """Whether a matmul of ``jaxpr`` still reads a marked matrix (one left gathered)."""
-    made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    return any(e.primitive.name == "dot_general" and not isinstance(e.invars[1], jcore.Literal)
-               and getattr(made.get(e.invars[1]), "primitive", None) is routable_p for e in jaxpr.eqns)
+def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether ``jaxpr`` still reads a marked matrix gathered: a mark the route left live (a use
+    that is not ``x @ w``, or one that sends less gathered)."""
+    return any(eqn.primitive is routable_p for eqn in jaxpr.eqns)
 
 
 # The nested jaxprs of the equations routed inside, by parameter.
@@ -184,12 +182,12 @@ _NESTED = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",), 
 _STEP_POLICIES = (REMAT_POLICY, loop_policy(REMAT_POLICY))
 
 
-def _routed(eqn: Any, made: dict[Any, Any], inputs: frozenset | None) -> Any:
+def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
-    if mark is None or mark.primitive is not routable_p or inputs is not None and eqn.invars[0] not in inputs:
+    if mark is None or mark.primitive is not routable_p:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
     if not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
