@@ -80,20 +80,9 @@ def _train_reference():
 
 
 def _train(policy, mesh, **grad_kwargs):
-    tx, sharded = optax.sgd(0.1, momentum=0.9), _shard(_init(), mesh, policy)
-    grad_fn = js.value_and_grad(_loss, unshard_params=False, **grad_kwargs)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, grads = grad_fn(p, batch)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = tx.init(sharded), []
-    for batch in _batches():
-        sharded, state, loss = step(sharded, state, batch)
-        losses.append(float(loss))
-    return losses, js.unshard(sharded), jax.jit(grad_fn).lower(sharded, _batches()[0]).as_text()
+    losses, sharded, text = _train_loss(_loss, _shard(_init(), mesh, policy),
+                                        lambda f: js.value_and_grad(f, unshard_params=False, **grad_kwargs))
+    return losses, js.unshard(sharded), text
 
 
 def _assert_close(got, want, tol):
@@ -252,12 +241,14 @@ def _stacked_units(init, mesh):
                            "head": init["head"]}, mesh, ROUTED)
 
 
-def _train_stacked(params, grad_fn):
+def _train_loss(loss_fn, params, grad_fn):
+    """SGD with momentum on ``loss_fn`` through ``grad_fn(loss_fn)``: the losses, the parameters,
+    and the lowered step's text."""
     tx = optax.sgd(0.1, momentum=0.9)
 
     @jax.jit
     def step(p, s, batch):
-        loss, grads = grad_fn(_stacked_loss)(p, batch)
+        loss, grads = grad_fn(loss_fn)(p, batch)
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
@@ -265,7 +256,11 @@ def _train_stacked(params, grad_fn):
     for batch in _batches():
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
-    return losses, params, jax.jit(grad_fn(_stacked_loss)).lower(params, _batches()[0]).as_text()
+    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, _batches()[0]).as_text()
+
+
+def _train_stacked(params, grad_fn):
+    return _train_loss(_stacked_loss, params, grad_fn)
 
 
 def test_stacked_layers_routed_inside_the_loop():
@@ -379,22 +374,10 @@ class _LinenMLP(nn_linen.Module):
 
 
 def _train_linen(model, params, grad_fn):
-    tx = optax.sgd(0.1, momentum=0.9)
-
     def loss_fn(p, batch):
         return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
 
-    @jax.jit
-    def step(p, s, batch):
-        loss, grads = grad_fn(loss_fn)(p, batch)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = tx.init(params), []
-    for batch in _batches():
-        params, state, loss = step(params, state, batch)
-        losses.append(float(loss))
-    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, _batches()[0]).as_text()
+    return _train_loss(loss_fn, params, grad_fn)
 
 
 def test_linen_nn_scan_layers_routed_inside_the_loop():
