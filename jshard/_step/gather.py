@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,8 @@ def reduce_gradient(comm: LeafComm, g: jax.Array) -> jax.Array:
     replicated leaf), all-reduce over replicate axes, divide, cast to the shard's dtype.
     """
     g = g.astype(comm.reduce_dtype)
-    g = model_manual(comm.layout, comm.axes, lambda v: _reduce(comm, v), gathered_in=True, gathered_out=False)(g)
+    g = model_manual(comm.layout, comm.axes, lambda v: _reduce(comm, v, _over_shard_axes), gathered_in=True,
+                     gathered_out=False)(g)
     return to_host(g, comm.offloaded)
 
 
@@ -108,33 +110,30 @@ def reduce_summed(comm: LeafComm, g: jax.Array) -> jax.Array:
     axes (formed from gathered activations: [Note: weight gradient route]), finished as
     :func:`reduce_gradient` finishes a reduce-scatter: cast to ``reduce_dtype``, all-reduced over
     replicate axes, divided, cast to the shard's dtype."""
-    g = g.astype(comm.reduce_dtype)
+    return to_host(_reduce(comm, g.astype(comm.reduce_dtype), lambda _, v: v), comm.offloaded)
+
+
+def _reduce(comm: LeafComm, g: jax.Array, over_shard: Callable[[LeafComm, jax.Array], jax.Array]) -> jax.Array:
+    """``g`` divided by the pre-factor, summed over the shard axes by ``over_shard``, all-reduced
+    over replicate axes, divided by the post-factor, cast to the shard's dtype."""
     pre, post = C.divide_factors(comm.divide_factor, g.dtype, comm.policy.force_sum_reduction_for_comms)
-    return to_host(_finish(comm, g / pre if pre != 1 else g, post), comm.offloaded)
-
-
-def _reduce(comm: LeafComm, g: jax.Array) -> jax.Array:
-    layout, policy = comm.layout, comm.policy
-    pre, post = C.divide_factors(comm.divide_factor, g.dtype, policy.force_sum_reduction_for_comms)
-    if pre != 1:
-        g = g / pre
-    if layout.sharded:
-        piece = model_piece(pad(g, layout), layout, comm.axes)
-        if policy.custom_reduce_scatter is None:
-            sizes = scatter_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases, piece.shape, piece.dtype,
-                                  layout.dim)
-            g = C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.scatter_phases, sizes)
-        else:
-            g = policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
-    else:
-        g = C.all_reduce(g, comm.axes.shard)
-    return _finish(comm, g, post)
-
-
-def _finish(comm: LeafComm, g: jax.Array, post: float) -> jax.Array:
+    g = over_shard(comm, g / pre if pre != 1 else g)
     if not comm.skip_all_reduce:
         g = (comm.policy.all_reduce_hook or C.all_reduce)(g, comm.axes.replicate)
     return (g / post).astype(comm.gradient_dtype)
+
+
+def _over_shard_axes(comm: LeafComm, g: jax.Array) -> jax.Array:
+    """``g`` reduce-scattered over the shard axes (all-reduced for a replicated leaf)."""
+    layout, policy = comm.layout, comm.policy
+    if not layout.sharded:
+        return C.all_reduce(g, comm.axes.shard)
+    piece = model_piece(pad(g, layout), layout, comm.axes)
+    if policy.custom_reduce_scatter is not None:
+        return policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
+    sizes = scatter_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases, piece.shape, piece.dtype,
+                          layout.dim)
+    return C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.scatter_phases, sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
