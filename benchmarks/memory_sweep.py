@@ -52,6 +52,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -353,7 +354,7 @@ def _overlapped(result: dict[str, Any], variant: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small models (a smoke test)")
-    parser.add_argument("--only", default="", help="run the models whose name contains this text")
+    parser.add_argument("--only", default="", help="run the models whose name matches this regular expression")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for memory_sweep.json")
     parser.add_argument("--replicate-below", type=int, default=0,
                         help="jshard's FullyShardPolicy(replicate_below=N): leaves under N elements kept whole")
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
           "jshard sends MiB (AG / RS / AR) | analytic | recipes' all-to-all MiB | "
           "gathers overlapped: jshard (recipes) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for m in [m for m in models(args.quick) if args.only in m.name]:
+    for m in [m for m in models(args.quick) if re.search(args.only, m.name)]:
         result = measure(m, mesh, replicate_below=args.replicate_below, weight_gradients=args.weight_gradients,
                          backward_prefetch=not args.no_backward_prefetch, apply_sgd=args.apply_sgd)
         rows.append({**dataclasses.asdict(m), "name": m.name, **result})

@@ -139,18 +139,29 @@ def test_mixed_precision_gathers_and_exchanges_in_param_dtype():
     assert "float32" in dtypes["all-reduce"]
 
 
-def test_not_routed_where_reducing_sends_less_or_under_a_remat_policy(reference):
-    """At 64 rows per device a 64 x 64 matrix's gradient sends fewer bytes reduced; under a
-    ``remat_policy`` the unrolled units' matmuls are left alone (their segments are checkpointed
-    after the route, and a ``custom_vjp`` keeps its residuals whatever the policy); both still
-    train as the reference does where they apply."""
-    mesh = js.make_mesh()
+def test_not_routed_where_reducing_sends_less():
+    """At 64 rows per device a 64 x 64 matrix's gradient sends fewer bytes reduced."""
     big = _batches(rows=512)[0]
-    text = jax.jit(js.value_and_grad(_loss, unshard_params=False)).lower(_shard(_init(), mesh, ROUTED), big).as_text()
-    assert _ops(text)["all_to_all"] == 0
-    remat = _train(ROUTED, mesh, remat_policy=jax.checkpoint_policies.nothing_saveable)
-    assert _ops(remat[2]) == {"all_to_all": 0, "reduce_scatter": 5}
-    _assert_close(remat, reference, 1e-5)
+    step = jax.jit(js.value_and_grad(_loss, unshard_params=False))
+    assert _ops(step.lower(_shard(_init(), js.make_mesh(), ROUTED), big).as_text())["all_to_all"] == 0
+
+
+def test_recomputed_units_routed(reference):
+    """Under a ``remat_policy`` the unrolled units' segments are routed once cut (each is
+    checkpointed after): training follows the reference, each routed forward runs again in
+    backward where a checkpointed unit is recomputed (the last is not), and the matmul FLOPs are
+    the reduced step's under the same policy."""
+    mesh, policy = js.make_mesh(), jax.checkpoint_policies.nothing_saveable
+    routed = _train(ROUTED, mesh, remat_policy=policy)
+    _assert_close(routed, reference, 1e-5)
+    # The module's counts with l0's forward (an all-to-all, a reduce-scatter) and l1's (an
+    # all-gather, an all-to-all) run again; l2's segment, the last, is not recomputed.
+    assert _ops(routed[2]) == {"all_to_all": 7, "reduce_scatter": 6}
+    assert _matrix_gathers(routed[2]) == 0
+    batch = _batches()[0]
+    flops = [_flops(jax.jit(js.value_and_grad(_loss, unshard_params=False, remat_policy=policy))
+                    .lower(_shard(_init(), mesh, p), batch)) for p in (ROUTED, js.FullyShardPolicy())]
+    assert flops[0] == flops[1]
 
 
 def test_policy_errors():

@@ -264,8 +264,8 @@ class FullyShardPolicy:
         this device's block of the gradient from them: neither the gathered ``w`` nor its whole
         gradient exists; fewer bytes and less memory where the global batch has fewer rows than
         ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md, "Weight gradients
-        from gathered activations"). Under a ``remat_policy`` only in stacked layers, each routed
-        whole or not at all. Other uses keep the gather and the reduction.
+        from gathered activations"). Under a ``remat_policy`` each recomputed layer (a stacked
+        layer, an unrolled unit) is routed whole or not at all. Other uses keep the gather and the reduction.
 
     Example:
       >>> import jshard as js

@@ -90,29 +90,15 @@ from jax.extend import core as jcore
 
 from jshard._step.remat import (
     FREE,
-    GATHER_START,
     REMAT_POLICY,
     checkpoint_primitive,
     depend,
+    is_gather_start,
     keeps_cse_barrier,
     loop_policy,
+    sub_jaxprs,
 )
-from jshard._step.weight_route import route_matmuls
-
-
-def _is_start(eqn: Any) -> bool:
-    return eqn.primitive.name == "name" and eqn.params.get("name") == GATHER_START
-
-
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    found = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, jcore.Jaxpr):
-                found.append(v)
-    return found
+from jshard._step.weight_route import route_matmuls, route_segment
 
 
 def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
@@ -141,28 +127,41 @@ def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
         if eqn.primitive.name == "name" and eqn.params.get("name") == FREE:
             return True
         if eqn.primitive is not checkpoint_primitive() and any(
-                frees_outside_checkpoints(j.eqns) for j in _sub_jaxprs(eqn)):
+                frees_outside_checkpoints(j.eqns) for j in sub_jaxprs(eqn)):
             return True
     return False
 
 
 def _has_loop(eqns: Sequence[Any]) -> bool:
     """Whether a ``scan`` or ``while`` runs among ``eqns`` (nested jaxprs included)."""
-    return any(eqn.primitive.name in ("scan", "while") or any(_has_loop(j.eqns) for j in _sub_jaxprs(eqn))
+    return any(eqn.primitive.name in ("scan", "while") or any(_has_loop(j.eqns) for j in sub_jaxprs(eqn))
                for eqn in eqns)
 
 
 class _Segment:
-    """A run of top-level equations: its inputs, outputs and the shards it gathers."""
+    """A run of top-level equations: its inputs, outputs, the shards it gathers and whether it
+    runs under the step's checkpoint (decided on its equations as traced, before any route)."""
 
-    def __init__(self, eqns: list[Any]):
+    def __init__(self, eqns: list[Any], policy: Any):
         self.eqns = eqns
+        self.checkpointed = _checkpoint_whole(eqns, policy)
         self.inputs: list[Any] = []
         self.outputs: list[Any] = []
-        self.gathered: set[Any] = set()
-        for eqn in eqns:
-            if _is_start(eqn) and not isinstance(eqn.invars[0], jcore.Literal):
-                self.gathered.add(eqn.invars[0])
+        self.gathered = _gathered(eqns)
+
+    def jaxpr(self, effects: Any) -> jcore.Jaxpr:
+        info = jcore.DebugInfo("jshard segment", "jshard._step.segments", None, None)
+        return jcore.Jaxpr([], self.inputs, self.outputs, self.eqns, effects, info)
+
+    def route(self, effects: Any) -> None:
+        """Under a ``remat_policy``: its matmuls routed, all or none ([Note: weight gradient
+        route] in ``weight_route.py``); a routed matrix's shard is no longer gathered here."""
+        self.eqns = route_segment(self.jaxpr(effects)).eqns
+        self.gathered = _gathered(self.eqns)
+
+
+def _gathered(eqns: Sequence[Any]) -> set[Any]:
+    return {eqn.invars[0] for eqn in eqns if is_gather_start(eqn) and not isinstance(eqn.invars[0], jcore.Literal)}
 
 
 def _checkpoint_whole(eqns: Sequence[Any], policy: Any) -> bool:
@@ -173,7 +172,7 @@ def _checkpoint_whole(eqns: Sequence[Any], policy: Any) -> bool:
 
 def _gathers_inside(eqn: Any) -> bool:
     """Whether a gather starts inside the equation's nested jaxprs (a loop over a stack)."""
-    return any(_is_start(e) or _gathers_inside(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
+    return any(is_gather_start(e) or _gathers_inside(e) for j in sub_jaxprs(eqn) for e in j.eqns)
 
 
 def _split(eqns: Sequence[Any], params: set[Any], cut_loops: bool = False) -> list[list[Any]]:
@@ -183,7 +182,7 @@ def _split(eqns: Sequence[Any], params: set[Any], cut_loops: bool = False) -> li
     derived = set(params)  # values computed from parameters (shards, gathers) alone
     computed = False
     for eqn in eqns:
-        if computed and (_is_start(eqn) or cut_loops and _gathers_inside(eqn)):
+        if computed and (is_gather_start(eqn) or cut_loops and _gathers_inside(eqn)):
             segments.append([])
             computed = False
         segments[-1].append(eqn)
@@ -211,9 +210,7 @@ def _ordered_defs(seg: _Segment) -> list[Any]:
 
 
 def _evaluator(seg: _Segment, effects: Any) -> Callable[..., list[Any]]:
-    info = jcore.DebugInfo("jshard segment", "jshard._step.segments", None, None)
-    jaxpr = jcore.Jaxpr([], seg.inputs, seg.outputs, seg.eqns, effects, info)
-    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(seg.jaxpr(effects), []))
 
 
 def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: set[Any], values: list[Any],
@@ -252,7 +249,7 @@ def _call(seg: _Segment, run: Callable[..., list[Any]], policy: Any, earlier: se
         return run(*with_dep(vals, [token]))
 
     checkpointed = (jax.checkpoint(ordered, policy=policy, prevent_cse=keeps_cse_barrier(policy))
-                    if _checkpoint_whole(seg.eqns, policy) and not last else ordered)
+                    if seg.checkpointed and not last else ordered)
 
     @jax.custom_vjp
     def segment(vals, token):
@@ -300,12 +297,16 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefe
                                                  if frees_outside_checkpoints(p) else [p])]
         flat_args = jax.tree.leaves(args)
         if len(pieces) <= 1:
-            whole = jcore.jaxpr_as_fun(closed)
+            routed = closed if policy is REMAT_POLICY else jcore.ClosedJaxpr(route_segment(jaxpr), closed.consts)
+            whole = jcore.jaxpr_as_fun(routed)
             if _checkpoint_whole(jaxpr.eqns, policy):  # see [Note: recompute once]
                 whole = jax.checkpoint(whole, policy=loop_policy(policy) if _has_loop(jaxpr.eqns) else policy)
             return jax.tree.unflatten(jax.tree.structure(shape), whole(*flat_args))
-        segments = [_Segment(p) for p in pieces]
+        segments = [_Segment(p, policy) for p in pieces]
         _wire(segments, jaxpr)
+        if policy is not REMAT_POLICY:  # routed once cut: recomputed units are routed whole
+            for seg in segments:
+                seg.route(jaxpr.effects)
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, flat_args, strict=True))
         earlier: set[Any] = set()

@@ -58,7 +58,14 @@ from jax.extend import core as jcore
 
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm, reduce_summed
-from jshard._step.remat import REMAT_POLICY, checkpoint_primitive, loop_policy, routable_p
+from jshard._step.remat import (
+    REMAT_POLICY,
+    checkpoint_primitive,
+    is_gather_start,
+    loop_policy,
+    routable_p,
+    sub_jaxprs,
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -120,8 +127,26 @@ def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcor
     return _routed_closed(closed, here=policy is REMAT_POLICY)
 
 
+def route_segment(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    """``jaxpr``, a segment of unrolled code under a ``remat_policy`` (a recomputed unit, cut and
+    checkpointed by ``segments.py``), with the ``x @ w`` of its marked matrices routed, all of
+    them or none (as a recomputed stacked layer: see the Note). Its routed matmuls read their shard
+    before its ``GATHER_START`` name: a unit whose matrices are all routed gathers nothing, and its
+    shards are not ordered after the previous unit as a gather's are (a dependence the routed
+    matmul would keep from forward to backward, as a copy of the shard).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> closed = jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((2, 3)), jnp.ones((3, 4)))
+      >>> route_segment(closed.jaxpr) is closed.jaxpr  # nothing marked
+      True
+    """
+    routed = _routed_jaxpr(jaxpr, here=True, unnamed=True)
+    return jaxpr if _still_gathers(routed) else routed
+
+
 # ``here``, below: whether the matmuls of this jaxpr itself are routed (not at the top level of a
-# loss under a ``remat_policy``, whose unrolled segments are checkpointed after the route).
+# loss under a ``remat_policy``, whose unrolled segments are routed by :func:`route_segment`).
 
 
 def _routed_closed(closed: jcore.ClosedJaxpr, here: bool) -> jcore.ClosedJaxpr:
@@ -129,13 +154,14 @@ def _routed_closed(closed: jcore.ClosedJaxpr, here: bool) -> jcore.ClosedJaxpr:
     return closed if jaxpr is closed.jaxpr else jcore.ClosedJaxpr(jaxpr, closed.consts)
 
 
-def _routed_jaxpr(jaxpr: jcore.Jaxpr, here: bool) -> jcore.Jaxpr:
-    """``jaxpr`` with its matmuls routed, in the loop bodies and checkpoints it runs too."""
+def _routed_jaxpr(jaxpr: jcore.Jaxpr, here: bool, unnamed: bool = False) -> jcore.Jaxpr:
+    """``jaxpr`` with its matmuls routed, in the loop bodies and checkpoints it runs too;
+    ``unnamed``: its own read their shard before its ``GATHER_START`` name."""
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            routed = _routed(eqn, made) if here else eqn
+            routed = _routed(eqn, made, unnamed) if here else eqn
         else:
             routed = _routed_inside(eqn, here)
         changed |= routed is not eqn
@@ -171,9 +197,11 @@ def _routed_inside(eqn: Any, here: bool) -> Any:
 
 
 def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
-    """Whether ``jaxpr`` still reads a marked matrix gathered: a mark the route left live (a use
-    that is not ``x @ w``, or one that sends less gathered)."""
-    return any(eqn.primitive is routable_p for eqn in jaxpr.eqns)
+    """Whether ``jaxpr`` (or a jaxpr nested in it) still reads a marked matrix gathered: a mark the
+    route left live (a use that is not ``x @ w``, one that sends less gathered, or one in a
+    custom derivative)."""
+    return any(eqn.primitive is routable_p or any(_still_gathers(j) for j in sub_jaxprs(eqn))
+               for eqn in jaxpr.eqns)
 
 
 # The nested jaxprs of the equations routed inside, by parameter.
@@ -182,14 +210,17 @@ _NESTED = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",), 
 _STEP_POLICIES = (REMAT_POLICY, loop_policy(REMAT_POLICY))
 
 
-def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
-    """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
+def _routed(eqn: Any, made: dict[Any, Any], unnamed: bool) -> Any:
+    """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``
+    (``unnamed``: reading the shard before its ``GATHER_START`` name)."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
     if mark is None or mark.primitive is not routable_p:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
+    if unnamed and shard in made and is_gather_start(made[shard]):
+        shard = made[shard].invars[0]
     if not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
                       comm.axes.shard_size):
         return eqn
