@@ -265,11 +265,6 @@ def loop_policy(policy: Any) -> Any:
     return _loop_policy if policy is REMAT_POLICY else policy
 
 
-def is_gather_start(eqn: Any) -> bool:
-    """Whether ``eqn`` names a shard :data:`GATHER_START` (where the step cuts unrolled code)."""
-    return eqn.primitive.name == "name" and eqn.params.get("name") == GATHER_START
-
-
 def sub_jaxprs(eqn: Any) -> list[Any]:
     """The jaxprs nested in ``eqn``'s parameters (a loop's body, a checkpoint's, a branch)."""
     found = []

@@ -90,15 +90,19 @@ from jax.extend import core as jcore
 
 from jshard._step.remat import (
     FREE,
+    GATHER_START,
     REMAT_POLICY,
     checkpoint_primitive,
     depend,
-    is_gather_start,
     keeps_cse_barrier,
     loop_policy,
     sub_jaxprs,
 )
 from jshard._step.weight_route import route_matmuls, route_segment
+
+
+def _is_start(eqn: Any) -> bool:
+    return eqn.primitive.name == "name" and eqn.params.get("name") == GATHER_START
 
 
 def frees_outside_checkpoints(eqns: Sequence[Any]) -> bool:
@@ -147,7 +151,10 @@ class _Segment:
         self.checkpointed = _checkpoint_whole(eqns, policy)
         self.inputs: list[Any] = []
         self.outputs: list[Any] = []
-        self.gathered = _gathered(eqns)
+        self.gathered: set[Any] = set()
+        for eqn in eqns:
+            if _is_start(eqn) and not isinstance(eqn.invars[0], jcore.Literal):
+                self.gathered.add(eqn.invars[0])
 
     def jaxpr(self, effects: Any) -> jcore.Jaxpr:
         info = jcore.DebugInfo("jshard segment", "jshard._step.segments", None, None)
@@ -155,13 +162,8 @@ class _Segment:
 
     def route(self, effects: Any) -> None:
         """Under a ``remat_policy``: its matmuls routed, all or none ([Note: weight gradient
-        route] in ``weight_route.py``); a routed matrix's shard is no longer gathered here."""
+        route] in ``weight_route.py``)."""
         self.eqns = route_segment(self.jaxpr(effects)).eqns
-        self.gathered = _gathered(self.eqns)
-
-
-def _gathered(eqns: Sequence[Any]) -> set[Any]:
-    return {eqn.invars[0] for eqn in eqns if is_gather_start(eqn) and not isinstance(eqn.invars[0], jcore.Literal)}
 
 
 def _checkpoint_whole(eqns: Sequence[Any], policy: Any) -> bool:
@@ -172,7 +174,7 @@ def _checkpoint_whole(eqns: Sequence[Any], policy: Any) -> bool:
 
 def _gathers_inside(eqn: Any) -> bool:
     """Whether a gather starts inside the equation's nested jaxprs (a loop over a stack)."""
-    return any(is_gather_start(e) or _gathers_inside(e) for j in sub_jaxprs(eqn) for e in j.eqns)
+    return any(_is_start(e) or _gathers_inside(e) for j in sub_jaxprs(eqn) for e in j.eqns)
 
 
 def _split(eqns: Sequence[Any], params: set[Any], cut_loops: bool = False) -> list[list[Any]]:
@@ -182,7 +184,7 @@ def _split(eqns: Sequence[Any], params: set[Any], cut_loops: bool = False) -> li
     derived = set(params)  # values computed from parameters (shards, gathers) alone
     computed = False
     for eqn in eqns:
-        if computed and (is_gather_start(eqn) or cut_loops and _gathers_inside(eqn)):
+        if computed and (_is_start(eqn) or cut_loops and _gathers_inside(eqn)):
             segments.append([])
             computed = False
         segments[-1].append(eqn)

@@ -44,8 +44,9 @@ Inside a checkpoint a ``custom_vjp``'s residuals are kept whatever the policy; r
 GELU block's first matrix alone raised the 8x1536 blocks (148.00 -> 156.59 MiB in bf16 against the
 recipe's 148.53), routing the layer whole takes the stacked MLP models recomputed from 0.96-1.14x
 the recipe's peak to 0.53-0.89x, FLOPs unchanged (v5p 2x2x2, training step). The segments of
-unrolled units are checkpointed after routing: their matmuls are not. In custom derivatives the
-mark is an identity.
+unrolled units under a ``remat_policy`` are routed so too, once cut (:func:`route_segment`; the 8
+unrolled MLP models recomputed from 0.46-0.99x the recipe's peak to 0.25-0.66x). In custom
+derivatives the mark is an identity.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ from jshard._step.gather import LeafComm, reduce_summed
 from jshard._step.remat import (
     REMAT_POLICY,
     checkpoint_primitive,
-    is_gather_start,
     loop_policy,
     routable_p,
     sub_jaxprs,
@@ -130,10 +130,7 @@ def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcor
 def route_segment(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """``jaxpr``, a segment of unrolled code under a ``remat_policy`` (a recomputed unit, cut and
     checkpointed by ``segments.py``), with the ``x @ w`` of its marked matrices routed, all of
-    them or none (as a recomputed stacked layer: see the Note). Its routed matmuls read their shard
-    before its ``GATHER_START`` name: a unit whose matrices are all routed gathers nothing, and its
-    shards are not ordered after the previous unit as a gather's are (a dependence the routed
-    matmul would keep from forward to backward, as a copy of the shard).
+    them or none, as a recomputed stacked layer (see the Note).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -141,7 +138,7 @@ def route_segment(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
       >>> route_segment(closed.jaxpr) is closed.jaxpr  # nothing marked
       True
     """
-    routed = _routed_jaxpr(jaxpr, here=True, unnamed=True)
+    routed = _routed_jaxpr(jaxpr, here=True)
     return jaxpr if _still_gathers(routed) else routed
 
 
@@ -154,14 +151,13 @@ def _routed_closed(closed: jcore.ClosedJaxpr, here: bool) -> jcore.ClosedJaxpr:
     return closed if jaxpr is closed.jaxpr else jcore.ClosedJaxpr(jaxpr, closed.consts)
 
 
-def _routed_jaxpr(jaxpr: jcore.Jaxpr, here: bool, unnamed: bool = False) -> jcore.Jaxpr:
-    """``jaxpr`` with its matmuls routed, in the loop bodies and checkpoints it runs too;
-    ``unnamed``: its own read their shard before its ``GATHER_START`` name."""
+def _routed_jaxpr(jaxpr: jcore.Jaxpr, here: bool) -> jcore.Jaxpr:
+    """``jaxpr`` with its matmuls routed, in the loop bodies and checkpoints it runs too."""
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqns, changed = [], False
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            routed = _routed(eqn, made, unnamed) if here else eqn
+            routed = _routed(eqn, made) if here else eqn
         else:
             routed = _routed_inside(eqn, here)
         changed |= routed is not eqn
@@ -210,17 +206,14 @@ _NESTED = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",), 
 _STEP_POLICIES = (REMAT_POLICY, loop_policy(REMAT_POLICY))
 
 
-def _routed(eqn: Any, made: dict[Any, Any], unnamed: bool) -> Any:
-    """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``
-    (``unnamed``: reading the shard before its ``GATHER_START`` name)."""
+def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
+    """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
     if mark is None or mark.primitive is not routable_p:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
-    if unnamed and shard in made and is_gather_start(made[shard]):
-        shard = made[shard].invars[0]
     if not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
                       comm.axes.shard_size):
         return eqn
