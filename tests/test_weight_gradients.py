@@ -164,6 +164,34 @@ def test_recomputed_units_routed(reference):
     assert flops[0] == flops[1]
 
 
+def _nested_loss(params, batch):  # a recomputed block: l1 gathered inside a jit in it, read transposed there
+    unshard = (lambda u: js.unshard(u)) if isinstance(params, js.FSDPUnit) else (lambda u: u)
+    root = unshard(params)
+
+    @jax.checkpoint
+    def block(x, l0, l1):
+        w0 = unshard(l0)["w"]
+        h = jax.jit(lambda x, l1: jnp.tanh(x @ unshard(l1)["w"].T))(x, l1)
+        return jnp.tanh(h @ w0)
+
+    h = block(batch["x"], root["l0"], root["l1"])
+    return jnp.mean((h @ root["l2"]["w"] @ root["head"]["w"] - batch["y"]) ** 2)
+
+
+def test_recomputed_block_routed_whole_or_not_at_all_looks_inside_nested_calls():
+    """A block the user recomputes (``jax.checkpoint``) whose marked matrix stays gathered inside a
+    nested call (l1, gathered in a ``jax.jit`` and read transposed there) is not routed at all:
+    l0's matmul in it, which could be, keeps its gather too; training follows the unsharded
+    reference."""
+    init, mesh = _init(), js.make_mesh()
+    ref = _train_loss(_nested_loss, init, jax.value_and_grad)
+    sharded = js.fully_shard({**init, **{k: js.fully_shard(init[k], mesh, ROUTED) for k in ("l0", "l1")}},
+                             mesh, ROUTED)
+    losses, params, text = _train_loss(_nested_loss, sharded, lambda f: js.value_and_grad(f, unshard_params=False))
+    _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
+    assert _ops(text)["all_to_all"] == 0
+
+
 def test_policy_errors():
     with pytest.raises(ValueError, match=r"`weight_gradients` must be one of \('reduced', 'from_activations'\)"):
         js.FullyShardPolicy(weight_gradients="activations")
