@@ -133,7 +133,7 @@ def test_mixed_precision_gathers_and_exchanges_in_param_dtype():
     mesh = js.make_mesh(replicate=2)
     routed = _train(dataclasses.replace(ROUTED, mp_policy=mp), mesh)
     reduced = _train(js.FullyShardPolicy(mp_policy=mp), mesh)
-    _assert_close(routed, reduced, 2e-2)
+    _assert_close(routed, reduced, 2e-3)  # 3.9e-4 apart in the losses, 1.7e-4 in the parameters
     dtypes = collective_dtypes(routed[2])
     assert dtypes["all-to-all"] == {"bfloat16"}
     assert "float32" in dtypes["all-reduce"]
