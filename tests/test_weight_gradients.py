@@ -161,12 +161,13 @@ def test_not_routed_where_reducing_sends_less():
     assert _ops(step.lower(_shard(_init(), js.make_mesh(), ROUTED), big).as_text())["all_to_all"] == 0
 
 
-def test_recomputed_units_routed(reference):
+@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
+def test_recomputed_units_routed(reference, replicate):
     """Under a ``remat_policy`` the unrolled units' segments are routed once cut (each is
     checkpointed after): training follows the reference, each routed forward runs again in
     backward where a checkpointed unit is recomputed (the last is not), and the matmul FLOPs are
     the reduced step's under the same policy."""
-    mesh, policy = js.make_mesh(), jax.checkpoint_policies.nothing_saveable
+    mesh, policy = js.make_mesh(replicate=replicate), jax.checkpoint_policies.nothing_saveable
     routed = _train(ROUTED, mesh, remat_policy=policy)
     _assert_close(routed, reference, 1e-5)
     # The module's counts with l0's forward (an all-to-all, a reduce-scatter) and l1's (an
@@ -250,18 +251,22 @@ def _train_nnx(model, grad_fn):
     return np.array(losses), model, step.lower(state, _batches()[0]).as_text()
 
 
-def test_nnx_linear_layers_train_as_unsharded_nnx():
+@pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
+def test_nnx_linear_layers_train_as_unsharded_nnx(recomputed):
     """Each ``nnx.Linear`` of an unrolled NNX MLP a unit with the option: its kernel never
     gathered (``x``'s columns exchanged, three all-to-alls, and ``dx`` sent back, two more: the
-    first layer's, of the batch, is not needed), training as unsharded NNX does."""
+    first layer's, of the batch, is not needed; under ``nothing_saveable`` the two recomputed
+    layers exchange ``x``'s columns again), training as unsharded NNX does."""
     ref_losses, ref_model, _ = _train_nnx(_MLP(nnx.Rngs(0)), nnx.value_and_grad)
     model = _MLP(nnx.Rngs(0))
     for layer in model.layers:
         jnnx.fully_shard(layer, policy=ROUTED)
-    losses, model, text = _train_nnx(jnnx.fully_shard(model), jnnx.value_and_grad)
+    policy = jax.checkpoint_policies.nothing_saveable if recomputed else None
+    losses, model, text = _train_nnx(jnnx.fully_shard(model),
+                                     lambda f: jnnx.value_and_grad(f, remat_policy=policy))
     _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
                   (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))), 1e-5)
-    assert _ops(text)["all_to_all"] == 5
+    assert _ops(text)["all_to_all"] == (7 if recomputed else 5)
 
 
 def _layer(h, layer):  # a tanh layer (w), a GELU block (up, down), or one whose up is read transposed
