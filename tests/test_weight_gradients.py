@@ -161,22 +161,22 @@ def test_not_routed_where_reducing_sends_less():
     assert _ops(step.lower(_shard(_init(), js.make_mesh(), ROUTED), big).as_text())["all_to_all"] == 0
 
 
-@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
-def test_recomputed_units_routed(reference, replicate):
+@pytest.mark.parametrize("replicate,microbatches", [(1, 1), (2, 1), (2, 2)], ids=["fsdp", "hsdp", "hsdp-accumulated"])
+def test_recomputed_units_routed(reference, replicate, microbatches):
     """Under a ``remat_policy`` the unrolled units' segments are routed once cut (each is
     checkpointed after): training follows the reference, each routed forward runs again in
     backward where a checkpointed unit is recomputed (the last is not), and the matmul FLOPs are
-    the reduced step's under the same policy."""
+    the reduced step's under the same policy; with gradients accumulated over microbatches too."""
     mesh, policy = js.make_mesh(replicate=replicate), jax.checkpoint_policies.nothing_saveable
-    routed = _train(ROUTED, mesh, remat_policy=policy)
+    routed = _train(ROUTED, mesh, remat_policy=policy, microbatches=microbatches)
     _assert_close(routed, reference, 1e-5)
     # The module's counts with l0's forward (an all-to-all, a reduce-scatter) and l1's (an
     # all-gather, an all-to-all) run again; l2's segment, the last, is not recomputed.
     assert _ops(routed[2]) == {"all_to_all": 7, "reduce_scatter": 6}
     assert _matrix_gathers(routed[2]) == 0
     batch = _batches()[0]
-    flops = [_flops(jax.jit(js.value_and_grad(_loss, unshard_params=False, remat_policy=policy))
-                    .lower(_shard(_init(), mesh, p), batch)) for p in (ROUTED, js.FullyShardPolicy())]
+    step = js.value_and_grad(_loss, unshard_params=False, remat_policy=policy, microbatches=microbatches)
+    flops = [_flops(jax.jit(step).lower(_shard(_init(), mesh, p), batch)) for p in (ROUTED, js.FullyShardPolicy())]
     assert flops[0] == flops[1]
 
 
