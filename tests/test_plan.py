@@ -146,6 +146,39 @@ def test_a_plan_keeps_small_leaves_whole_with_replicate_below(build, capsys):
     assert whole.report.collective_bytes["all-gather"] < sharded.report.collective_bytes["all-gather"]
 
 
+def _small_batch_mlp(mesh, config):
+    """Three 256-wide tanh layers, one unit each, 8 rows a device: a builder that reads
+    ``config.weight_gradients``."""
+    policy = js.FullyShardPolicy(weight_gradients=config.weight_gradients)
+    layers = {f"l{i}": js.fully_shard({"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}, mesh, policy)
+              for i in range(3)}
+
+    def loss_fn(params, x):
+        root = js.unshard(params)
+        for i in range(3):
+            x = jnp.tanh(x @ js.unshard(root[f"l{i}"])["w"])
+        return jnp.mean(x ** 2)
+
+    x = jax.ShapeDtypeStruct((8 * mesh.size * config.batch_per_device, 256), jnp.float32)
+    return jax.jit(js.value_and_grad(loss_fn, unshard_params=False)), (js.fully_shard(layers, mesh, policy), x)
+
+
+def test_a_plan_forms_weight_gradients_from_activations_where_asked(capsys):
+    """``plan --weight-gradients from_activations`` (``PlanConfig.weight_gradients``) reaches the
+    builder: a small-batch MLP's matrices are then never gathered (all-to-alls instead, fewer bytes
+    in all); the demo's tiny transformer, at 64 tokens a device, has no matmul that sends less so,
+    and plans as it does reduced."""
+    reduced = plan(_small_batch_mlp, devices=8)
+    routed = plan(_small_batch_mlp, devices=8, config=PlanConfig(weight_gradients="from_activations"))
+    assert reduced.report.collective_bytes["all-to-all"] == 0 < routed.report.collective_bytes["all-to-all"]
+    assert sum(routed.report.collective_bytes.values()) < sum(reduced.report.collective_bytes.values())
+    main(["plan", "jshard.demo.plan:build_tiny", "--devices", "8", "--weight-gradients", "from_activations", "--json"])
+    tiny = Plan.from_dict(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert tiny.config == PlanConfig(weight_gradients="from_activations")
+    assert "weight gradients from activations" in tiny.config.describe()
+    assert tiny.report.collective_bytes == plan("jshard.demo.plan:build_tiny", devices=8).report.collective_bytes
+
+
 def test_plan_config_and_targets_are_checked():
     with pytest.raises(ValueError, match="remat must be one of"):
         PlanConfig(remat="some")
@@ -155,6 +188,8 @@ def test_plan_config_and_targets_are_checked():
         PlanConfig(replicate_below=-1)
     with pytest.raises(ValueError, match=r"replicate_below must be a non-negative int .* got True"):
         PlanConfig(replicate_below=True)
+    with pytest.raises(ValueError, match=r"weight_gradients must be one of \('reduced', 'from_act.*got 'gathered'"):
+        PlanConfig(weight_gradients="gathered")
     with pytest.raises(ValueError, match="A plan target is 'pkg.module:build'"):
         plan("jshard.demo.plan", devices=8)
     with pytest.raises(ValueError, match="has no attribute 'build_2b'"):

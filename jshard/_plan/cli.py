@@ -17,6 +17,7 @@ from jshard._plan.planner import plan
 from jshard._plan.scaling import scaling
 from jshard._plan.stage_plan import rank_stages
 from jshard._plan.target import REMATS, PlanConfig, load_build
+from jshard._sharding.policies import WEIGHT_GRADIENTS
 
 DEMO = "jshard.demo.plan:build_{size}"
 _SIZES = ("tiny", "small", "medium", "1b")
@@ -61,6 +62,9 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="store_true", help="state in pinned host memory")
     parser.add_argument("--replicate-below", type=int, default=0, metavar="N",
                         help="keep leaves under N elements whole on every device (default 0: shard every leaf)")
+    parser.add_argument("--weight-gradients", choices=WEIGHT_GRADIENTS, default="reduced",
+                        help="reduced (FSDP2's, default) or from_activations: matmuls of a unit's matrix on "
+                             "the shard, activations exchanged, where that sends less")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # a PlanConfig as JSON (planning subprocesses)
 
 
@@ -68,7 +72,7 @@ def _config(args: argparse.Namespace) -> PlanConfig:
     if args.config:
         return PlanConfig(**json.loads(args.config))
     return PlanConfig(args.batch_per_device, not args.no_reshard_after_forward, args.remat, args.mixed_precision,
-                      args.offload, args.replicate_below)
+                      args.offload, args.replicate_below, args.weight_gradients)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -21,6 +21,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from jshard._sharding.policies import WEIGHT_GRADIENTS
+
 REMATS = ("default", "full", "dots")
 
 
@@ -40,6 +42,10 @@ class PlanConfig:
         this many elements (biases, norm scales) kept whole on every device; ``0`` shards every
         leaf. On XLA:TPU the training step's peak is lower with vectors whole in most models
         (docs/planning.md); plan both.
+      weight_gradients: ``FullyShardPolicy(weight_gradients=...)`` for the units:
+        ``"reduced"`` (FSDP2's) or ``"from_activations"`` (a matmul of a unit's matrix run on the
+        shard with its activations exchanged where that sends less: small global batches;
+        docs/planning.md); plan both.
 
     Example:
       >>> from jshard.report import PlanConfig
@@ -53,6 +59,7 @@ class PlanConfig:
     mixed_precision: bool = False
     offload: bool = False
     replicate_below: int = 0
+    weight_gradients: str = "reduced"
 
     def __post_init__(self):
         if isinstance(self.batch_per_device, bool) or not isinstance(self.batch_per_device, int) \
@@ -67,6 +74,9 @@ class PlanConfig:
         if isinstance(below, bool) or not isinstance(below, int) or below < 0:
             raise ValueError(f"PlanConfig.replicate_below must be a non-negative int (a number of elements), "
                              f"got {below!r}; 0 shards every leaf.")
+        if self.weight_gradients not in WEIGHT_GRADIENTS:
+            raise ValueError(f"PlanConfig.weight_gradients must be one of {WEIGHT_GRADIENTS}, "
+                             f"got {self.weight_gradients!r}.")
 
     def remat_policy(self) -> Callable[..., Any] | None:
         """The ``remat_policy`` to hand ``js.value_and_grad`` (``None`` for jshard's default)."""
@@ -81,7 +91,8 @@ class PlanConfig:
                 + ("raf" if self.reshard_after_forward else "no raf") + f", remat {self.remat}, "
                 + ("bf16/fp32" if self.mixed_precision else "fp32") + ", "
                 + ("offload" if self.offload else "on device")
-                + (f", leaves under {self.replicate_below} whole" if self.replicate_below else ""))
+                + (f", leaves under {self.replicate_below} whole" if self.replicate_below else "")
+                + (", weight gradients from activations" if self.weight_gradients == "from_activations" else ""))
 
 
 def abstract_result(fn: Callable[..., Any], *args: Any) -> Any:

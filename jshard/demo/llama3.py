@@ -155,7 +155,7 @@ def _policies(config: PlanConfig, reduce_dtype: Any = jnp.float32) -> dict[str, 
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype) if config.mixed_precision \
         else js.MixedPrecisionPolicy()
     return {"mp_policy": mp, "offload_policy": js.CPUOffloadPolicy() if config.offload else js.OffloadPolicy(),
-            "replicate_below": config.replicate_below}
+            "replicate_below": config.replicate_below, "weight_gradients": config.weight_gradients}
 
 
 def build_nnx_model(mesh: Any, config: PlanConfig, cfg: LlamaConfig,

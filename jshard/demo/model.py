@@ -221,9 +221,11 @@ def place_tensor_parallel(params: Any, mesh: Any) -> Any:
 
 def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None,
              custom_all_gather: Any = None, unit_collectives: bool = False,
-             reshard_after_forward: bool = True, replicate_below: int = 0) -> Any:
+             reshard_after_forward: bool = True, replicate_below: int = 0,
+             weight_gradients: str = "reduced") -> Any:
     """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit;
-    ``replicate_below``: leaves under that many elements (per layer) kept whole."""
+    ``replicate_below``: leaves under that many elements (per layer) kept whole;
+    ``weight_gradients``: ``FullyShardPolicy``'s."""
     import jshard as js
 
     kwargs = {
@@ -232,6 +234,7 @@ def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any 
         "custom_all_gather": custom_all_gather,
         "unit_collectives": unit_collectives,
         "replicate_below": replicate_below,
+        "weight_gradients": weight_gradients,
     }
     blocks = js.fully_shard(params["blocks"], mesh, js.FullyShardPolicy(
         scan_axis=0, reshard_after_forward=reshard_after_forward, **kwargs))

@@ -196,7 +196,8 @@ def build_mixtral(mesh: Mesh, config: Any = None, cfg: MoEConfig = MIXTRAL_8X7B,
     from jshard.report import PlanConfig, abstract_result
 
     config = config or PlanConfig()
-    unread = {name: getattr(config, name) for name in ("reshard_after_forward", "remat", "offload", "replicate_below")
+    unread = {name: getattr(config, name)
+              for name in ("reshard_after_forward", "remat", "offload", "replicate_below", "weight_gradients")
               if getattr(config, name) != getattr(PlanConfig(), name)}
     if unread:
         raise ValueError(f"build_mixtral reads only batch_per_device and mixed_precision of its PlanConfig, "

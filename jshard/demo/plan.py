@@ -77,7 +77,7 @@ def build_lm(size: str, mesh: Any, config: PlanConfig) -> tuple[Any, tuple]:
     offload = js.CPUOffloadPolicy() if config.offload else None
     params = abstract_on(T.abstract_params(cfg), mesh, _tensor_parallel_spec if "tp" in mesh.axis_names else None)
     params = T.shard_lm(params, mesh, mp, offload, reshard_after_forward=config.reshard_after_forward,
-                        replicate_below=config.replicate_below)
+                        replicate_below=config.replicate_below, weight_gradients=config.weight_gradients)
     optimizer = js.shard_optimizer(optax.adamw(1e-4))
     opt_state = abstract_result(optimizer.init, params)
     tokens = jax.ShapeDtypeStruct((config.batch_per_device * data_devices(mesh), cfg.seq_len + 1), jnp.int32,
