@@ -98,7 +98,7 @@ from jshard._step.remat import (
     loop_policy,
     sub_jaxprs,
 )
-from jshard._step.weight_route import route_matmuls, route_segment
+from jshard._step.weight_route import route_matmuls, route_whole
 
 
 def _is_start(eqn: Any) -> bool:
@@ -163,7 +163,7 @@ class _Segment:
     def route(self, effects: Any) -> None:
         """Under a ``remat_policy``: its matmuls routed, all or none ([Note: weight gradient
         route] in ``weight_route.py``)."""
-        self.eqns = route_segment(self.jaxpr(effects)).eqns
+        self.eqns = route_whole(self.jaxpr(effects)).eqns
 
 
 def _checkpoint_whole(eqns: Sequence[Any], policy: Any) -> bool:
@@ -299,7 +299,7 @@ def segmented(fn: Callable[..., Any], policy: Any, n_params: int, backward_prefe
                                                  if frees_outside_checkpoints(p) else [p])]
         flat_args = jax.tree.leaves(args)
         if len(pieces) <= 1:
-            routed = closed if policy is REMAT_POLICY else jcore.ClosedJaxpr(route_segment(jaxpr), closed.consts)
+            routed = closed if policy is REMAT_POLICY else jcore.ClosedJaxpr(route_whole(jaxpr), closed.consts)
             whole = jcore.jaxpr_as_fun(routed)
             if _checkpoint_whole(jaxpr.eqns, policy):  # see [Note: recompute once]
                 whole = jax.checkpoint(whole, policy=loop_policy(policy) if _has_loop(jaxpr.eqns) else policy)

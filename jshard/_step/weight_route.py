@@ -44,7 +44,7 @@ Inside a checkpoint a ``custom_vjp``'s residuals are kept whatever the policy; r
 GELU block's first matrix alone raised the 8x1536 blocks (148.00 -> 156.59 MiB in bf16 against the
 recipe's 148.53), routing the layer whole takes the stacked MLP models recomputed from 0.96-1.14x
 the recipe's peak to 0.53-0.89x, FLOPs unchanged (v5p 2x2x2, training step). The segments of
-unrolled units under a ``remat_policy`` are routed so too, once cut (:func:`route_segment`; the 8
+unrolled units under a ``remat_policy`` are routed so too, once cut (:func:`route_whole`; the 8
 unrolled MLP models recomputed from 0.46-0.99x the recipe's peak to 0.25-0.66x). In custom
 derivatives the mark is an identity.
 """
@@ -127,15 +127,15 @@ def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcor
     return _routed_closed(closed, here=policy is REMAT_POLICY)
 
 
-def route_segment(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
-    """``jaxpr``, a segment of unrolled code under a ``remat_policy`` (a recomputed unit, cut and
-    checkpointed by ``segments.py``), with the ``x @ w`` of its marked matrices routed, all of
-    them or none, as a recomputed stacked layer (see the Note).
+def route_whole(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
+    """``jaxpr``, code recomputed in backward (a checkpoint under another policy than jshard's, or
+    a segment of unrolled code under a ``remat_policy``, cut and checkpointed by ``segments.py``),
+    with the ``x @ w`` of its marked matrices routed, all of them or none (see the Note).
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> closed = jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((2, 3)), jnp.ones((3, 4)))
-      >>> route_segment(closed.jaxpr) is closed.jaxpr  # nothing marked
+      >>> route_whole(closed.jaxpr) is closed.jaxpr  # nothing marked
       True
     """
     routed = _routed_jaxpr(jaxpr, here=True)
@@ -143,7 +143,7 @@ def route_segment(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
 
 
 # ``here``, below: whether the matmuls of this jaxpr itself are routed (not at the top level of a
-# loss under a ``remat_policy``, whose unrolled segments are routed by :func:`route_segment`).
+# loss under a ``remat_policy``, whose unrolled segments are routed by :func:`route_whole`).
 
 
 def _routed_closed(closed: jcore.ClosedJaxpr, here: bool) -> jcore.ClosedJaxpr:
@@ -172,10 +172,11 @@ def _routed_inside(eqn: Any, here: bool) -> Any:
     step's under a ``remat_policy``, or one the user wrote) whole or not at all (see the Note).
     Never in a custom derivative, whose rule would still read the matmul it had."""
     checkpoint = eqn.primitive is checkpoint_primitive()
-    recomputed = checkpoint and eqn.params["policy"] not in _STEP_POLICIES
+    if checkpoint and eqn.params["policy"] not in _STEP_POLICIES:  # a recomputed layer
+        routed = route_whole(eqn.params["jaxpr"])
+        return eqn if routed is eqn.params["jaxpr"] else eqn.replace(params={**eqn.params, "jaxpr": routed})
     if not checkpoint and eqn.primitive.name not in _NESTED:
         return eqn
-    here = here or recomputed
     params = {}
     for key in _NESTED.get(eqn.primitive.name, ("jaxpr",)):
         value = eqn.params[key]
@@ -187,9 +188,7 @@ def _routed_inside(eqn: Any, here: bool) -> Any:
             changed = routed is not value
         if changed:
             params[key] = routed
-    if not params or recomputed and _still_gathers(params["jaxpr"]):
-        return eqn
-    return eqn.replace(params={**eqn.params, **params})
+    return eqn.replace(params={**eqn.params, **params}) if params else eqn
 
 
 def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
