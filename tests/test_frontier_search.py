@@ -1,7 +1,8 @@
 """The frontier's first-answer search against the full grid, on synthetic steps that obey its assumptions.
 
 Compiling is replaced by a model of a step whose memory grows with the batch, without
-resharding after forward and with a remat that keeps more (in fp32 more or less than in bf16),
+resharding after forward and with a remat that keeps more (in fp32 more or less than in bf16,
+with vectors whole or sharded, with weight gradients reduced or from activations: either way),
 and whose samples per second grow with the batch and stay under the chip's peak FLOP/s: what
 [Note: frontier search] assumes. On every such step the first answer must find the full grid's best, compile a subset
 of what the full grid compiles, and skip only configurations that cannot fit or cannot beat it.
@@ -18,18 +19,24 @@ from jshard.report import HARDWARE, FrontierRow, PlanConfig
 
 H100 = HARDWARE["h100"]
 GRID = Grid(batches=[1, 2, 4, 8, 16], reshard_after_forward=[True, False], remats=["default", "dots", "full"],
-            mixed_precision=[True, False], offload=[False])
+            mixed_precision=[True, False], offload=[False], replicate_below=[0, 4096],
+            weight_gradients=["reduced", "from_activations"])
 
 
-def _synthetic_step(keep, recompute, gathered, fp32_factor, flops_per_sample, wire):
+def _synthetic_step(keep, recompute, gathered, fp32_factor, whole_factor, reduced_factor, flops_per_sample, wire):
     """``config -> (peak bytes, FLOPs, samples/s)`` of a step that obeys the search's assumptions."""
 
     def step(c: PlanConfig):
         precision = 1.0 if c.mixed_precision else fp32_factor  # either way: XLA:CPU's bf16 plans can hold more
-        peak = precision * (1.0 + c.batch_per_device * keep[c.remat] + (0 if c.reshard_after_forward else gathered))
+        # Either way too: vectors whole or weight gradients reduced hold more or less, per model on XLA:TPU.
+        trade = (whole_factor if c.replicate_below else 1.0) * (reduced_factor if c.weight_gradients == "reduced"
+                                                                 else 1.0)
+        peak = precision * trade * (1.0 + c.batch_per_device * keep[c.remat]
+                                    + (0 if c.reshard_after_forward else gathered))
         flops = c.batch_per_device * flops_per_sample * recompute[c.remat]
         rate = H100.bf16_flops if c.mixed_precision else H100.fp32_flops
-        exposed = wire * (1.5 if c.reshard_after_forward else 1.0) * (1.0 if c.mixed_precision else 2.0)
+        exposed = (wire * (1.5 if c.reshard_after_forward else 1.0) * (1.0 if c.mixed_precision else 2.0)
+                   * (0.5 if c.weight_gradients == "from_activations" else 1.0))
         return peak, flops, c.batch_per_device / (flops / rate + exposed)
 
     return step
@@ -54,17 +61,24 @@ increasing = st.lists(st.floats(0.01, 10.0), min_size=3, max_size=3, unique=True
 
 
 @settings(max_examples=150, deadline=None)
-@example(keep=[0.5, 1.0, 3.0], recompute=[1.0, 1.2, 1.5], gathered=1.0, fp32_factor=0.8, wire=0.0,
-         budget=1.3)  # only fp32 fits: a bf16 configuration past the budget says nothing of fp32's memory
-@example(keep=[2.0, 3.0, 4.0], recompute=[1.0, 2.0, 3.0], gathered=2.0, fp32_factor=1.0, wire=0.0078125,
-         budget=5.0)  # the full grid stops so early that nothing is left to skip: both compile the same 22
+# Only fp32 fits: a bf16 configuration past the budget says nothing of fp32's memory.
+@example(keep=[0.5, 1.0, 3.0], recompute=[1.0, 1.2, 1.5], gathered=1.0, fp32_factor=0.8, whole_factor=1.0,
+         reduced_factor=1.0, wire=0.0, budget=1.3)
+# The full grid stops so early that nothing is left to skip.
+@example(keep=[2.0, 3.0, 4.0], recompute=[1.0, 2.0, 3.0], gathered=2.0, fp32_factor=1.0, whole_factor=1.0,
+         reduced_factor=1.0, wire=0.0078125, budget=5.0)
+# Weight gradients reduced hold less, routed send less: a routed configuration past the budget says nothing of
+# the reduced ones', nor one with vectors whole of one with them sharded.
+@example(keep=[0.5, 1.0, 3.0], recompute=[1.0, 1.2, 1.5], gathered=1.0, fp32_factor=1.0, whole_factor=1.5,
+         reduced_factor=0.5, wire=1e-2, budget=2.0)
 @given(keep=increasing, recompute=increasing, gathered=st.floats(0.0, 40.0), fp32_factor=st.floats(0.8, 1.5),
-       wire=st.floats(0.0, 1e-2), budget=st.floats(1.0, 120.0))
+       whole_factor=st.floats(0.5, 2.0), reduced_factor=st.floats(0.5, 2.0), wire=st.floats(0.0, 1e-2),
+       budget=st.floats(1.0, 120.0))
 def test_the_first_answer_finds_the_full_grids_best_with_fewer_compiles(keep, recompute, gathered, fp32_factor,
-                                                                         wire, budget):
+                                                                         whole_factor, reduced_factor, wire, budget):
     step = _synthetic_step(dict(zip(("full", "dots", "default"), keep, strict=True)),
                            dict(zip(("default", "dots", "full"), recompute, strict=True)),
-                           gathered, fp32_factor, 1e12, wire)
+                           gathered, fp32_factor, whole_factor, reduced_factor, 1e12, wire)
     full_log, quick_log = [], []
     full_rows, _ = full_grid(_compiler(step, budget, full_log), GRID)
     rows, skipped = first_answer(_compiler(step, budget, quick_log), GRID, H100)
@@ -72,8 +86,9 @@ def test_the_first_answer_finds_the_full_grids_best_with_fewer_compiles(keep, re
     assert _best(rows) == best
     assert set(quick_log) <= set(full_log)  # a subset; as many where the full grid stops early everywhere
     assert len(set(quick_log)) == len(quick_log)  # nothing compiled twice
-    every = {PlanConfig(b, raf, remat, mp, off) for b, raf, remat, mp, off in itertools.product(
-        GRID.batches, GRID.reshard_after_forward, GRID.remats, GRID.mixed_precision, GRID.offload)}
+    every = {PlanConfig(b, raf, remat, mp, off, below, route) for b, raf, remat, mp, off, below, route in
+             itertools.product(GRID.batches, GRID.reshard_after_forward, GRID.remats, GRID.mixed_precision,
+                               GRID.offload, GRID.replicate_below, GRID.weight_gradients)}
     assert set(quick_log) | {s.config for s in skipped} == every  # every configuration accounted for, once
     assert len(quick_log) + len(skipped) == len(every)
     for s in skipped:  # none that was skipped fits and beats the best

@@ -179,6 +179,30 @@ def test_a_plan_forms_weight_gradients_from_activations_where_asked(capsys):
     assert tiny.report.collective_bytes == plan("jshard.demo.plan:build_tiny", devices=8).report.collective_bytes
 
 
+def test_the_frontier_plans_both_weight_gradient_routes(capsys):
+    """``frontier --weight-gradients both`` compiles each route as a setting of its own (neither bounds the
+    other's memory): the routed rows exchange activations and send less; a bad value fails before compiling."""
+    main(["frontier", "tests.test_plan:_small_batch_mlp", "--devices", "8", "--hbm", "1GiB", "--batches", "1,2",
+          "--remats", "default", "--reshard-after-forward", "true", "--mixed-precision", "false",
+          "--weight-gradients", "both", "--replicate-below", "0", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    rows = {(r["plan"]["config"]["weight_gradients"], r["plan"]["config"]["batch_per_device"]): r["plan"]["report"]
+            for r in data["rows"]}
+    assert sorted(rows) == [("from_activations", 1), ("from_activations", 2), ("reduced", 1), ("reduced", 2)]
+    for batch in (1, 2):
+        routed, reduced = (rows[route, batch]["collective_bytes"] for route in ("from_activations", "reduced"))
+        assert reduced["all-to-all"] == 0 < routed["all-to-all"]
+        assert sum(routed.values()) < sum(reduced.values())
+    assert "weight gradients from activations" in str(frontier_from_dict(data))
+    with pytest.raises(SystemExit):
+        main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--replicate-below", "-1"])
+    assert "expected non-negative integers" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="weight_gradients must be one of"):
+        frontier(_small_batch_mlp, devices=8, budget=2**30, hardware=HARDWARE["h100"], weight_gradients=("routed",))
+    with pytest.raises(ValueError, match="replicate_below got none"):
+        frontier(_small_batch_mlp, devices=8, budget=2**30, hardware=HARDWARE["h100"], replicate_below=())
+
+
 def test_plan_config_and_targets_are_checked():
     with pytest.raises(ValueError, match="remat must be one of"):
         PlanConfig(remat="some")

@@ -22,16 +22,22 @@ from jshard._sharding.policies import WEIGHT_GRADIENTS
 DEMO = "jshard.demo.plan:build_{size}"
 _SIZES = ("tiny", "small", "medium", "1b")
 _CHOICE = {"both": (True, False), "true": (True,), "false": (False,)}
+_ROUTES = {"both": WEIGHT_GRADIENTS, **{route: (route,) for route in WEIGHT_GRADIENTS}}
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str, least: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
     except ValueError:
         values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    if not values or min(values) < least:
+        kind = "positive" if least == 1 else "non-negative"
+        raise argparse.ArgumentTypeError(f"expected {kind} integers separated by commas, got {text!r}")
     return values
+
+
+def _counts(text: str) -> list[int]:
+    return _ints(text, least=0)
 
 
 def _target(args: argparse.Namespace) -> str:
@@ -95,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--reshard-after-forward", choices=sorted(_CHOICE), default="both")
     search.add_argument("--mixed-precision", choices=sorted(_CHOICE), default="both")
     search.add_argument("--offload", choices=sorted(_CHOICE), default="false")
+    search.add_argument("--replicate-below", type=_counts, default=[0], metavar="N[,N...]",
+                        help="replicate_below values to try, e.g. 0,4096 (default 0: every leaf sharded)")
+    search.add_argument("--weight-gradients", choices=sorted(_ROUTES), default="reduced",
+                        help="reduced (default), from_activations, or both (each a setting of its own)")
     search.add_argument("--full", action="store_true",
                         help="compile the whole grid (default: a first answer, pruned from what was compiled)")
     search.add_argument("--hardware-json", help=argparse.SUPPRESS)
@@ -146,6 +156,7 @@ def _frontier(args: argparse.Namespace):
             raise SystemExit(f"--remats takes policies of {REMATS} separated by commas, got {args.remats!r}.")
         grid = {"batches": args.batches, "reshard_after_forward": _CHOICE[args.reshard_after_forward],
                 "remats": remats, "mixed_precision": _CHOICE[args.mixed_precision], "offload": _CHOICE[args.offload],
+                "replicate_below": args.replicate_below, "weight_gradients": _ROUTES[args.weight_gradients],
                 "full": args.full}
     return frontier(_target(args), devices=args.devices, budget=parse_bytes(args.hbm), hardware=hardware,
                     replicate=args.replicate, tensor_parallel=args.tensor_parallel, target=_compiler(args), **grid)

@@ -1,7 +1,8 @@
 """The out-of-memory frontier: which training configurations fit a per-device budget, ranked.
 
 [Note: frontier] Memory grows with the batch for every other setting fixed, so for each
-combination of ``reshard_after_forward``, remat, mixed precision and offload the search
+combination of ``reshard_after_forward``, remat, mixed precision, offload and, where asked,
+``replicate_below`` and ``weight_gradients`` (each a trade per model on XLA:TPU) the search
 compiles batches in increasing order and stops at the first that does not fit: each
 combination's frontier costs at most one compile past it. By default it compiles less, a
 first answer, from what the configurations compiled so far show ([Note: frontier search]
@@ -86,6 +87,7 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
              replicate: int = 1, tensor_parallel: int = 1, batches: Sequence[int] = (1, 2, 4, 8, 16),
              reshard_after_forward: Sequence[bool] = (True, False), remats: Sequence[str] = REMATS,
              mixed_precision: Sequence[bool] = (True, False), offload: Sequence[bool] = (False,),
+             replicate_below: Sequence[int] = (0,), weight_gradients: Sequence[str] = ("reduced",),
              target: str | CompileTarget | None = None, full: bool = False) -> Frontier:
     """Search the configurations of ``build`` that fit ``budget`` bytes per device, compile only.
 
@@ -93,7 +95,10 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
     what has been compiled ([Note: frontier search]); ``full=True`` compiles every combination.
     With fewer devices here than ``devices``, the search runs in one subprocess with that
     many simulated CPU devices (as :func:`plan` does); ``target`` plans on another compiler
-    (``"tpu:v5p-256"``: see [Note: compile target]). See [Note: frontier].
+    (``"tpu:v5p-256"``: see [Note: compile target]). ``replicate_below`` and ``weight_gradients``
+    are :class:`PlanConfig`'s, each value tried as a setting of its own (``(0, 4096)``,
+    ``("reduced", "from_activations")``: plan both, as docs/planning.md advises on XLA:TPU).
+    See [Note: frontier].
 
     Example:
       >>> import jshard as js
@@ -103,7 +108,8 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
       >>> [(row.plan.config.batch_per_device, row.fits) for row in f.rows], f.ranked
       ([(64, False)], [])
     """
-    grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload))
+    grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload),
+                list(replicate_below), list(weight_gradients))
     where = compile_target(target, devices)
     devices = where.devices
     if where.platform == "cpu" and len(jax.devices()) < devices:

@@ -7,9 +7,12 @@ step: peak memory does not fall when the batch grows, without resharding after f
 with a remat policy that keeps more (``full`` < ``dots`` < ``default``), or on device
 instead of offloaded; the samples per second of one setting do not fall when its batch
 grows (the collectives are the same per step); its matmul FLOPs grow with the batch in
-proportion and do not depend on the precision. (Memory is not assumed to fall with bf16
-parameters: on XLA:CPU a bf16 plan can hold more than the fp32 one, its collectives run in
-float32.) Then:
+proportion and do not depend on the precision, on which leaves are kept whole
+(``replicate_below``) or on how weight gradients are formed (``weight_gradients``: the routed
+matmuls do the same arithmetic). Nothing is assumed of memory across precisions (on XLA:CPU a
+bf16 plan can hold more than the fp32 one, its collectives run in float32), across
+``replicate_below`` or across ``weight_gradients`` (each a trade per model on XLA:TPU): a
+configuration only bounds another with the same three. Then:
 
 - a configuration that needs at least the memory of one past the budget is not compiled;
 - each setting climbs its batches from the largest known to fit (one that needs no more
@@ -20,7 +23,9 @@ float32.) Then:
   not compiled (fp32 on a GPU, whose fp32 rate is half its bf16 rate, once a bf16 setting
   runs near its peak);
 - settings are tried fastest first: bf16 before fp32, resharding after forward (what large
-  models need) before not, then the remat that recomputes least, on device before offload.
+  models need) before not, then the remat that recomputes least, on device before offload,
+  then the fewer collectives (more leaves whole, weight gradients from activations: it routes a
+  matmul only where that sends less).
 
 ``--full`` (``frontier(..., full=True)``) compiles the whole grid: every setting's batches in
 increasing order up to the first past the budget, which is also how the assumptions can be
@@ -39,6 +44,7 @@ from jshard._plan.planner import Plan
 from jshard._plan.target import PlanConfig
 
 _REMAT_KEEPS = {"full": 0, "dots": 1, "default": 2}  # how much a remat policy keeps for backward, in order
+_ROUTED_FIRST = {"from_activations": 0, "reduced": 1}  # fewer bytes on the wire first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,34 @@ class Grid:
     remats: Sequence[str]
     mixed_precision: Sequence[bool]
     offload: Sequence[bool]
+    replicate_below: Sequence[int] = (0,)
+    weight_gradients: Sequence[str] = ("reduced",)
+
+    def __post_init__(self):
+        empty = [f.name for f in dataclasses.fields(self) if not len(getattr(self, f.name))]
+        if empty:
+            raise ValueError(f"The frontier's grid needs at least one value of each setting; {', '.join(empty)} "
+                             "got none.")
+        for setting in self.settings():
+            self.configs(setting)  # PlanConfig checks every value: a bad one fails before anything compiles
+
+    def settings(self, fastest_first: bool = False) -> list[tuple]:
+        """Every ``(reshard_after_forward, remat, mixed_precision, offload, replicate_below,
+        weight_gradients)``: in the grid's order, or in the first answer's (fastest first)."""
+        if not fastest_first:
+            return list(itertools.product(self.reshard_after_forward, self.remats, self.mixed_precision,
+                                          self.offload, self.replicate_below, self.weight_gradients))
+        ordered = itertools.product(sorted(set(self.mixed_precision), reverse=True),
+                                    sorted(set(self.reshard_after_forward), reverse=True),
+                                    sorted(set(self.remats), key=_REMAT_KEEPS.get, reverse=True),
+                                    sorted(set(self.offload)), sorted(set(self.replicate_below), reverse=True),
+                                    sorted(set(self.weight_gradients), key=_ROUTED_FIRST.get))
+        return [(raf, remat, mp, *rest) for mp, raf, remat, *rest in ordered]
+
+    def configs(self, setting: tuple) -> list[PlanConfig]:
+        """The setting's configurations, batches in increasing order."""
+        raf, remat, mp, off, below, route = setting
+        return [PlanConfig(b, raf, remat, mp, off, below, route) for b in sorted(set(self.batches))]
 
 
 def _memory_order(config: PlanConfig) -> tuple[int, ...]:
@@ -79,19 +113,19 @@ def _memory_order(config: PlanConfig) -> tuple[int, ...]:
 
 
 def needs_no_more_than(a: PlanConfig, b: PlanConfig) -> bool:
-    """Whether ``a`` needs no more memory than ``b`` by the search's assumptions (same precision, every
-    other setting no larger)."""
-    return a.mixed_precision == b.mixed_precision and all(
-        x <= y for x, y in zip(_memory_order(a), _memory_order(b), strict=True))
+    """Whether ``a`` needs no more memory than ``b`` by the search's assumptions (same precision, leaves kept
+    whole and weight-gradient route; every other setting no larger)."""
+    same = (a.mixed_precision, a.replicate_below, a.weight_gradients) == (
+        b.mixed_precision, b.replicate_below, b.weight_gradients)
+    return same and all(x <= y for x, y in zip(_memory_order(a), _memory_order(b), strict=True))
 
 
 def full_grid(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid) -> tuple[list[FrontierRow], list]:
     """Every setting, its batches in increasing order up to the first past the budget."""
     rows = []
-    for raf, remat, mp, off in itertools.product(grid.reshard_after_forward, grid.remats, grid.mixed_precision,
-                                                 grid.offload):
-        for batch in sorted(grid.batches):
-            rows.append(compile_one(PlanConfig(batch, raf, remat, mp, off)))
+    for setting in grid.settings():
+        for config in grid.configs(setting):
+            rows.append(compile_one(config))
             if not rows[-1].fits:
                 break
     return rows, []
@@ -102,11 +136,8 @@ def first_answer(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid,
     """Compile only what can change the answer ([Note: frontier search]); the rows and what was skipped."""
     rows: list[FrontierRow] = []
     skipped: list[Skipped] = []
-    for mp, raf, remat, off in itertools.product(sorted(set(grid.mixed_precision), reverse=True),
-                                                 sorted(set(grid.reshard_after_forward), reverse=True),
-                                                 sorted(set(grid.remats), key=_REMAT_KEEPS.get, reverse=True),
-                                                 sorted(set(grid.offload))):
-        configs = [PlanConfig(b, raf, remat, mp, off) for b in sorted(set(grid.batches))]
+    for setting in grid.settings(fastest_first=True):
+        configs = grid.configs(setting)
         fit = [i for i, c in enumerate(configs) if any(r.fits and needs_no_more_than(c, r.plan.config) for r in rows)]
         start = max(fit, default=0)
         skipped += [Skipped(c, "smaller batch", f"batch {configs[start].batch_per_device} of the same setting "
