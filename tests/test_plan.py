@@ -193,7 +193,10 @@ def test_the_frontier_plans_both_weight_gradient_routes(capsys):
         routed, reduced = (rows[route, batch]["collective_bytes"] for route in ("from_activations", "reduced"))
         assert reduced["all-to-all"] == 0 < routed["all-to-all"]
         assert sum(routed.values()) < sum(reduced.values())
-    assert "weight gradients from activations" in str(frontier_from_dict(data))
+    text = str(frontier_from_dict(data)).splitlines()
+    table = [line for line in text if line.startswith("  batch ")]
+    assert any("weight gradients from activations" in line for line in table)
+    assert len(table) == 4 and len({len(line) for line in table}) == 1  # every row fits; the columns line up
     with pytest.raises(SystemExit):
         main(["frontier", "--size", "tiny", "--devices", "8", "--hbm", "1MiB", "--replicate-below", "-1"])
     assert "expected non-negative integers" in capsys.readouterr().err
