@@ -194,6 +194,7 @@ def test_the_frontier_plans_both_weight_gradient_routes(capsys):
         assert reduced["all-to-all"] == 0 < routed["all-to-all"]
         assert sum(routed.values()) < sum(reduced.values())
     text = str(frontier_from_dict(data)).splitlines()
+    assert "(budget 1.0 GiB/device;" in text[0]
     table = [line for line in text if line.startswith("  batch ")]
     assert any("weight gradients from activations" in line for line in table)
     assert len(table) == 4 and len({len(line) for line in table}) == 1  # every row fits; the columns line up
@@ -316,6 +317,7 @@ def test_command_line_searches_the_frontier(capsys):
     best = rows[data["ranking"][0]]
     text = str(frontier_from_dict(data))  # what the command prints without --json
     assert "out-of-memory frontier on Google TPU v6e" in text and "best: batch 4/device" in text
+    assert "(budget 8.0 MiB/device;" in text and "peak MiB" in text  # a budget under 1 GiB reads in MiB
     assert "1 of the grid's configurations not compiled (1 smaller batch" in text and "--full compiles" in text
     assert all(f"  {why}" in text for why in best["estimate"]["reasoning"])
 

@@ -56,19 +56,20 @@ class Frontier:
         return sorted((r for r in self.rows if r.fits), key=lambda r: -r.estimate.samples_per_second)
 
     def __str__(self) -> str:
-        gib, ranked = 2.0**30, self.ranked
+        ranked = self.ranked
+        unit, scale = ("GiB", 2.0**30) if self.budget >= 2**30 else ("MiB", 2.0**20)  # a small budget in MiB
         width = max([60] + [len(r.plan.config.describe()) + 2 for r in self.rows])
-        lines = [f"out-of-memory frontier on {self.hardware.name} (budget {self.budget / gib:.1f} GiB/device; "
-                 f"{len(self.rows)} configurations compiled, {len(ranked)} fit)", *self._search_lines(), "",
-                 f"  {'configuration':<{width}}{'peak GiB':>10}{'step ms':>10}{'samples/s/dev':>15}{'MFU@peak':>10}"]
+        head = f"  {'configuration':<{width}}{f'peak {unit}':>10}{'step ms':>10}{'samples/s/dev':>15}{'MFU@peak':>10}"
+        lines = [f"out-of-memory frontier on {self.hardware.name} (budget {self.budget / scale:.1f} {unit}/device; "
+                 f"{len(self.rows)} configurations compiled, {len(ranked)} fit)", *self._search_lines(), "", head]
         for row in ranked:
             e = row.estimate
-            lines.append(f"  {row.plan.config.describe():<{width}}{row.plan.report.memory.peak / gib:>10.2f}"
+            lines.append(f"  {row.plan.config.describe():<{width}}{row.plan.report.memory.peak / scale:>10.2f}"
                          f"{e.step * 1e3:>10.2f}{e.samples_per_second:>15.2f}{e.compute_share:>10.2f}")
         over = [r for r in self.rows if not r.fits]
         if over:
             lines += ["", "  past the frontier (first batch that does not fit, per combination):"]
-            lines += [f"  {r.plan.config.describe():<{width}}{r.plan.report.memory.peak / gib:>10.2f}" for r in over]
+            lines += [f"  {r.plan.config.describe():<{width}}{r.plan.report.memory.peak / scale:>10.2f}" for r in over]
         if ranked:
             lines += ["", f"best: {ranked[0].plan.config.describe()}, because"]
             lines += [f"  {why}" for why in ranked[0].estimate.reasoning]
