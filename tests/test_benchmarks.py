@@ -120,6 +120,23 @@ def test_heap_at_peak_examples_hold():
     assert doctest.testmod(heap_at_peak).failed == 0
 
 
+def test_options_per_model_reads_the_stored_sweeps(tmp_path, capsys):
+    """docs/benchmarks.md "The options searched per model": over the stored v5p sweeps one model stays
+    above the best recipe with jshard's lowest of its four options; a model is judged by its lowest
+    peak over the files, and a missing file is named."""
+    import doctest
+
+    from benchmarks import options_per_model
+
+    assert doctest.testmod(options_per_model).failed == 0
+    options_per_model.main(["--target", "tpu_v5p_2x2x2"])
+    out = capsys.readouterr().out
+    assert "above the best recipe in 1 of 48 models" in out
+    assert "| transformer unrolled 8x256 b64 kept fp32 | 63.37 | 71.95 | 1.135 | vectors whole, reduced |" in out
+    with pytest.raises(SystemExit, match="No stored sweep .*memory_sweep_cpu_sgd.json"):
+        options_per_model.main(["--target", "cpu", "--results", str(tmp_path)])
+
+
 def test_heap_at_peak_counts_a_shared_buffer_once():
     """An in-place update's values share their buffer: live together, they occupy it once."""
     from benchmarks.heap_at_peak import HeapValue, fullest

@@ -1,0 +1,78 @@
+"""jshard's lowest peak per model over the stored sweeps of its options, against the best recipe.
+
+``python -m benchmarks.options_per_model --target tpu_v5p_2x2x2`` reads the four training-step
+sweeps of :mod:`benchmarks.memory_sweep` stored for that target (``--apply-sgd``: vectors sharded
+or kept whole by ``--replicate-below 4096``, weight gradients reduced or ``from_activations``),
+takes for each model the lowest of jshard's four peaks and the lowest recipe peak of the four
+files (the recipes compile to the same figures in each), and prints a Markdown row for each model
+whose lowest jshard peak is still above that recipe: what ``python -m jshard.report frontier
+... --replicate-below 0,4096 --weight-gradients both`` can choose between, per model
+(docs/benchmarks.md, "The options searched per model"). Nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from typing import Any
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+# The options' names, by the suffix memory_sweep gives their result files.
+OPTIONS = {"vectors sharded, reduced": "", "vectors whole, reduced": "_replicate_below_4096",
+           "vectors sharded, routed": "_from_activations",
+           "vectors whole, routed": "_replicate_below_4096_from_activations"}
+
+
+def option_files(target: str, folder: pathlib.Path = RESULTS) -> dict[str, pathlib.Path]:
+    """The stored training-step sweep of each option for ``target`` (``tpu_v5p_2x2x2``,
+    ``tpu_v5p_2x2x2_async``, ``tpu_v6e_2x4``), by option name."""
+    return {name: folder / f"memory_sweep_{target}{suffix}_sgd.json" for name, suffix in OPTIONS.items()}
+
+
+def best_per_model(sweeps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each model of the first sweep: the best recipe's peak over all sweeps, and jshard's lowest
+    peak with the option that gives it (``sweeps``: stored sweep results by option name).
+
+    Example:
+      >>> row = lambda name, recipe, jshard: {"name": name, "peak_bytes": {
+      ...     "recipe": recipe, "constrained": recipe + 1, "jshard": jshard}}
+      >>> best_per_model({"a": {"models": [row("m", 10, 12)]}, "b": {"models": [row("m", 10, 9)]}})
+      [{'name': 'm', 'recipe': 10, 'jshard': 9, 'option': 'b'}]
+    """
+    by_option = {option: {r["name"]: r["peak_bytes"] for r in sweep["models"]} for option, sweep in sweeps.items()}
+    first = next(iter(by_option.values()))
+    rows = []
+    for name in first:
+        peaks = {option: models[name] for option, models in by_option.items() if name in models}
+        recipe = min(min(p["recipe"], p["constrained"]) for p in peaks.values())
+        option = min(peaks, key=lambda o: peaks[o]["jshard"])
+        rows.append({"name": name, "recipe": recipe, "jshard": peaks[option]["jshard"], "option": option})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="tpu_v5p_2x2x2",
+                        help="the stored sweeps' target, as in their names (tpu_v5p_2x2x2, tpu_v5p_2x2x2_async, "
+                             "tpu_v6e_2x4)")
+    parser.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the folder of the stored sweeps")
+    args = parser.parse_args(argv)
+    files = option_files(args.target, args.results)
+    missing = [str(path) for path in files.values() if not path.exists()]
+    if missing:
+        raise SystemExit(f"No stored sweep {', '.join(missing)}: run benchmarks.memory_sweep --apply-sgd with "
+                         "that option first.")
+    rows = best_per_model({option: json.loads(path.read_text()) for option, path in files.items()})
+    above = [r for r in rows if r["jshard"] > r["recipe"]]
+    mib = 2**20
+    print(f"{args.target}: jshard's lowest of {len(files)} options above the best recipe in {len(above)} of "
+          f"{len(rows)} models")
+    print("| model | best recipe MiB | jshard's lowest MiB | ratio | option |\n|---|---|---|---|---|")
+    for r in above:
+        print(f"| {r['name']} | {r['recipe'] / mib:.2f} | {r['jshard'] / mib:.2f} | {r['jshard'] / r['recipe']:.3f} "
+              f"| {r['option']} |")
+
+
+if __name__ == "__main__":
+    main()
