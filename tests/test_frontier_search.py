@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jshard._plan.search import Grid, first_answer, full_grid
-from jshard.report import HARDWARE, FrontierRow, PlanConfig
+from jshard.report import HARDWARE, Frontier, FrontierRow, PlanConfig
 
 H100 = HARDWARE["h100"]
 GRID = Grid(batches=[1, 2, 4, 8, 16], reshard_after_forward=[True, False], remats=["default", "dots", "full"],
@@ -94,3 +94,16 @@ def test_the_first_answer_finds_the_full_grids_best_with_fewer_compiles(keep, re
     for s in skipped:  # none that was skipped fits and beats the best
         peak, _, speed = step(s.config)
         assert peak > budget or best is None or speed <= best, s
+
+
+def test_a_tie_ranks_the_lower_peak_then_jshards_defaults_first():
+    """An option that changes nothing for a model (no matmul routed at its batch) is not the one recommended."""
+    def row(peak, speed=100.0, **options):
+        config = PlanConfig(batch_per_device=2, **options)
+        plan = SimpleNamespace(config=config, report=SimpleNamespace(memory=SimpleNamespace(peak=peak)))
+        return FrontierRow(plan, True, SimpleNamespace(samples_per_second=speed))
+
+    routed, whole, reduced = row(5, weight_gradients="from_activations"), row(5, replicate_below=4096), row(5)
+    lower, faster = row(4, weight_gradients="from_activations"), row(9, speed=101.0, replicate_below=4096)
+    ranked = Frontier(2**30, H100, (routed, whole, reduced, lower, faster)).ranked
+    assert ranked == [faster, lower, reduced, whole, routed]
