@@ -24,8 +24,9 @@ configuration only bounds another with the same three. Then:
   runs near its peak);
 - settings are tried fastest first: bf16 before fp32, resharding after forward (what large
   models need) before not, then the remat that recomputes least, on device before offload,
-  then the fewer collectives (more leaves whole, weight gradients from activations: it routes a
-  matmul only where that sends less).
+  then fewer collectives (the larger ``replicate_below``; weight gradients from activations,
+  which routes a matmul only where that sends less). The order only decides what is compiled
+  first; the ranking compares what was compiled.
 
 ``--full`` (``frontier(..., full=True)``) compiles the whole grid: every setting's batches in
 increasing order up to the first past the budget, which is also how the assumptions can be
@@ -44,7 +45,7 @@ from jshard._plan.planner import Plan
 from jshard._plan.target import PlanConfig
 
 _REMAT_KEEPS = {"full": 0, "dots": 1, "default": 2}  # how much a remat policy keeps for backward, in order
-_ROUTED_FIRST = {"from_activations": 0, "reduced": 1}  # fewer bytes on the wire first
+_ROUTED_FIRST = {"from_activations": 0, "reduced": 1}  # the route where it sends less, so first
 
 
 @dataclasses.dataclass(frozen=True)
