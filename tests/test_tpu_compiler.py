@@ -59,10 +59,12 @@ def test_bad_targets_say_what_exists():
 
 
 def _mlp_builder(mesh, config=None):
-    """Two stacked GELU layers and a root head, abstract (nothing allocated)."""
+    """Two stacked GELU layers and a root head, abstract (nothing allocated); reads every field of ``config``
+    but offload."""
     config, sds = config or PlanConfig(), jax.ShapeDtypeStruct
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if config.mixed_precision else js.MixedPrecisionPolicy()
-    policy = js.FullyShardPolicy(reshard_after_forward=config.reshard_after_forward, mp_policy=mp)
+    policy = js.FullyShardPolicy(reshard_after_forward=config.reshard_after_forward, mp_policy=mp,
+                                 replicate_below=config.replicate_below, weight_gradients=config.weight_gradients)
     blocks = js.fully_shard({"w": sds((2, 256, 512), jnp.float32), "v": sds((2, 512, 256), jnp.float32)}, mesh,
                             dataclasses.replace(policy, scan_axis=0))
     params = js.fully_shard({"blocks": blocks, "head": sds((256, 128), jnp.float32)}, mesh, policy)
@@ -507,6 +509,9 @@ def test_the_tpu_planning_commands_of_docs_planning_run(capsys):
         main(argv)
         out = capsys.readouterr().out
         assert "compiled for tpu" in out or "frontier" in out, shlex.join(argv)
+        if argv[0] == "frontier":  # both options, each a setting: four configurations at batch 1
+            assert "4 configurations compiled, 4 fit" in out, out
+            assert "leaves under 4096 whole, weight gradients from activations" in out
         if "--slices" in argv:
             assert "between slices (data-center network)" in out
 
