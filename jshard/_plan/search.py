@@ -22,11 +22,17 @@ configuration only bounds another with the same three. Then:
   any compiled configuration with its remat, nothing exposed) cannot beat the best found is
   not compiled (fp32 on a GPU, whose fp32 rate is half its bf16 rate, once a bf16 setting
   runs near its peak);
+- a setting with weight gradients from activations whose plan at some batch sends exactly what
+  the reduced plan of that batch sends routes no matmul there (each is routed only where that
+  sends less, and ``sends_less`` fails for more rows once it fails), so its larger batches are
+  not compiled: they are the reduced setting's (a transformer at thousands of tokens per
+  device routes nothing, and asking for both options then costs one compile more, not a
+  second climb);
 - settings are tried fastest first: bf16 before fp32, resharding after forward (what large
   models need) before not, then the remat that recomputes least, on device before offload,
-  then fewer collectives (the larger ``replicate_below``; weight gradients from activations,
-  which routes a matmul only where that sends less). The order only decides what is compiled
-  first; the ranking compares what was compiled.
+  then the larger ``replicate_below`` (fewer collectives), weight gradients reduced before
+  routed (so that a routed plan can be compared with its reduced twin). The order only
+  decides what is compiled first; the ranking compares what was compiled.
 
 ``--full`` (``frontier(..., full=True)``) compiles the whole grid: every setting's batches in
 increasing order up to the first past the budget, which is also how the assumptions can be
@@ -45,7 +51,7 @@ from jshard._plan.planner import Plan
 from jshard._plan.target import PlanConfig
 
 _REMAT_KEEPS = {"full": 0, "dots": 1, "default": 2}  # how much a remat policy keeps for backward, in order
-_ROUTED_FIRST = {"from_activations": 0, "reduced": 1}  # the route where it sends less, so first
+_ROUTE_ORDER = {"reduced": 0, "from_activations": 1}  # a routed plan's reduced twin compiled first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +67,8 @@ class FrontierRow:
 class Skipped:
     """A configuration of the grid the first-answer search did not compile, and why.
 
-    ``kind`` is ``"cannot fit"``, ``"smaller batch"`` or ``"cannot beat the best"``.
+    ``kind`` is ``"cannot fit"``, ``"smaller batch"``, ``"cannot beat the best"`` or ``"routes
+    nothing"`` (weight gradients from activations where its plan at a smaller batch was the reduced one's).
     """
 
     config: PlanConfig
@@ -99,7 +106,7 @@ class Grid:
                                     sorted(set(self.reshard_after_forward), reverse=True),
                                     sorted(set(self.remats), key=_REMAT_KEEPS.get, reverse=True),
                                     sorted(set(self.offload)), sorted(set(self.replicate_below), reverse=True),
-                                    sorted(set(self.weight_gradients), key=_ROUTED_FIRST.get))
+                                    sorted(set(self.weight_gradients), key=_ROUTE_ORDER.get))
         return [(raf, remat, mp, *rest) for mp, raf, remat, *rest in ordered]
 
     def configs(self, setting: tuple) -> list[PlanConfig]:
@@ -140,20 +147,62 @@ def first_answer(compile_one: Callable[[PlanConfig], FrontierRow], grid: Grid,
     for setting in grid.settings(fastest_first=True):
         configs = grid.configs(setting)
         fit = [i for i, c in enumerate(configs) if any(r.fits and needs_no_more_than(c, r.plan.config) for r in rows)]
-        start = max(fit, default=0)
+        start, end = max(fit, default=0), len(configs)
+        probe = _twin_fits_at(configs, rows)
+        probed = probe is not None and probe > start and not (_cannot_fit(configs[probe], rows)
+                                                               or _cannot_win(configs[probe], rows, hardware))
+        if probed:  # where its reduced twin fits: one compile, if it routes nothing there
+            rows.append(compile_one(configs[probe]))
+            if rows[-1].fits:
+                start = probe
+            else:
+                end = probe
+                skipped += _past(configs[probe], configs[probe + 1 :])
         skipped += [Skipped(c, "smaller batch", f"batch {configs[start].batch_per_device} of the same setting "
                             "fits, at least as fast per sample") for c in configs[:start]]
-        for i, config in enumerate(configs[start:], start):
-            reason = _cannot_fit(config, rows) or _cannot_win(config, rows, hardware)
-            if reason:
-                skipped += [Skipped(c, *reason) for c in configs[i:]]
-                break
-            rows.append(compile_one(config))
+        for i, config in enumerate(configs[start:end], start):
+            if not (probed and i == probe):  # the probe, compiled above
+                reason = _cannot_fit(config, rows) or _cannot_win(config, rows, hardware)
+                if reason:
+                    skipped += [Skipped(c, *reason) for c in configs[i:end]]
+                    break
+                rows.append(compile_one(config))
             if not rows[-1].fits:
-                skipped += [Skipped(c, "cannot fit", f"batch {config.batch_per_device} of the same setting is "
-                                    "past the budget") for c in configs[i + 1 :]]
+                skipped += _past(config, configs[i + 1 : end])
+                break
+            if _routes_nothing(rows[-1], rows):
+                skipped += [Skipped(c, "routes nothing", f"at batch {config.batch_per_device} its plan sends what "
+                                    "the reduced one sends: no matmul is routed, nor with more rows")
+                            for c in configs[i + 1 : end]]
                 break
     return rows, skipped
+
+
+def _past(config: PlanConfig, larger: list[PlanConfig]) -> list[Skipped]:
+    return [Skipped(c, "cannot fit", f"batch {config.batch_per_device} of the same setting is past the budget")
+            for c in larger]
+
+
+def _twin_fits_at(configs: list[PlanConfig], rows: list[FrontierRow]) -> int | None:
+    """For a setting with weight gradients from activations: the largest of its batches at which its
+    reduced twin was compiled and fits (compiled there first: if nothing is routed, the setting is its
+    twin from there on, and its smaller batches are no faster per sample)."""
+    if configs[0].weight_gradients == "reduced":
+        return None
+    fitting = {r.plan.config for r in rows if r.fits}
+    at = [i for i, c in enumerate(configs) if dataclasses.replace(c, weight_gradients="reduced") in fitting]
+    return max(at, default=None)
+
+
+def _routes_nothing(row: FrontierRow, rows: list[FrontierRow]) -> bool:
+    """Whether ``row`` forms weight gradients from activations and its plan sends, by collective kind,
+    exactly what its reduced twin's (compiled before it) sends: the step routed no matmul."""
+    config = row.plan.config
+    if config.weight_gradients == "reduced":
+        return False
+    twin = dataclasses.replace(config, weight_gradients="reduced")
+    reduced = next((r for r in rows if r.plan.config == twin), None)
+    return reduced is not None and reduced.plan.report.collective_bytes == row.plan.report.collective_bytes
 
 
 def _cannot_fit(config: PlanConfig, rows: list[FrontierRow]) -> tuple[str, str] | None:
