@@ -27,7 +27,9 @@ configuration only bounds another with the same three. Then:
   sends less, and ``sends_less`` fails for more rows once it fails), so its larger batches are
   not compiled: they are the reduced setting's (a transformer at thousands of tokens per
   device routes nothing, and asking for both options then costs one compile more, not a
-  second climb);
+  second climb). A routed setting's memory can fall where a larger batch stops routing (and
+  routing held more); the batches past its frontier are then its reduced twin's, compiled
+  under that setting, so the ranking loses nothing;
 - settings are tried fastest first: bf16 before fp32, resharding after forward (what large
   models need) before not, then the remat that recomputes least, on device before offload,
   then the larger ``replicate_below`` (fewer collectives), weight gradients reduced before
