@@ -192,8 +192,7 @@ def _twin_fits_at(configs: list[PlanConfig], rows: list[FrontierRow]) -> int | N
     if configs[0].weight_gradients == "reduced":
         return None
     fitting = {r.plan.config for r in rows if r.fits}
-    at = [i for i, c in enumerate(configs) if dataclasses.replace(c, weight_gradients="reduced") in fitting]
-    return max(at, default=None)
+    return max((i for i, c in enumerate(configs) if _reduced_twin(c) in fitting), default=None)
 
 
 def _routes_nothing(row: FrontierRow, rows: list[FrontierRow]) -> bool:
@@ -202,9 +201,13 @@ def _routes_nothing(row: FrontierRow, rows: list[FrontierRow]) -> bool:
     config = row.plan.config
     if config.weight_gradients == "reduced":
         return False
-    twin = dataclasses.replace(config, weight_gradients="reduced")
-    reduced = next((r for r in rows if r.plan.config == twin), None)
+    reduced = next((r for r in rows if r.plan.config == _reduced_twin(config)), None)
     return reduced is not None and reduced.plan.report.collective_bytes == row.plan.report.collective_bytes
+
+
+def _reduced_twin(config: PlanConfig) -> PlanConfig:
+    """``config`` with FSDP2's reduced weight gradients: what a routed configuration is where it routes nothing."""
+    return dataclasses.replace(config, weight_gradients="reduced")
 
 
 def _cannot_fit(config: PlanConfig, rows: list[FrontierRow]) -> tuple[str, str] | None:
