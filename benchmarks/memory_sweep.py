@@ -324,6 +324,18 @@ def summary(rows: list[dict[str, Any]]) -> str:
             f"above it: {len(above)}, where the best recipe moves activations: {routed}")
 
 
+def options_suffix(replicate_below: int, weight_gradients: str, backward_prefetch: bool, apply_sgd: bool) -> str:
+    """The part of a stored sweep's name that says jshard's options and the step (after target and flags).
+
+    Example:
+      >>> options_suffix(4096, "from_activations", True, True)
+      '_replicate_below_4096_from_activations_sgd'
+    """
+    return ((f"_replicate_below_{replicate_below}" if replicate_below else "")
+            + ("_from_activations" if weight_gradients == "from_activations" else "")
+            + ("" if backward_prefetch else "_no_backward_prefetch") + ("_sgd" if apply_sgd else ""))
+
+
 def above_recipe(result: dict[str, Any]) -> bool:
     """Whether jshard's peak is above the best recipe's, to two decimals of their ratio."""
     return round(_peak_ratio(result), 2) > 1
@@ -391,10 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = "memory_sweep" if args.target == "cpu:8" else f"memory_sweep_{args.target.replace(':', '_')}"
     name += "" if args.libtpu_flags == "none" else f"_{args.libtpu_flags}"
-    name += f"_replicate_below_{args.replicate_below}" if args.replicate_below else ""
-    name += "_from_activations" if args.weight_gradients == "from_activations" else ""
-    name += "_no_backward_prefetch" if args.no_backward_prefetch else ""
-    name += "_sgd" if args.apply_sgd else ""
+    name += options_suffix(args.replicate_below, args.weight_gradients, not args.no_backward_prefetch, args.apply_sgd)
     path = args.out / f"{name}.json"
     if args.merge and path.exists():
         run = {r["name"] for r in rows}

@@ -17,17 +17,18 @@ import json
 import pathlib
 from typing import Any
 
-RESULTS = pathlib.Path(__file__).parent / "results"
-# The options' names, by the suffix memory_sweep gives their result files.
-OPTIONS = {"vectors sharded, reduced": "", "vectors whole, reduced": "_replicate_below_4096",
-           "vectors sharded, routed": "_from_activations",
-           "vectors whole, routed": "_replicate_below_4096_from_activations"}
+from benchmarks.memory_sweep import RESULTS, options_suffix
+
+# The options, by name: (replicate_below, weight_gradients) as memory_sweep's sweeps ran them.
+OPTIONS = {"vectors sharded, reduced": (0, "reduced"), "vectors whole, reduced": (4096, "reduced"),
+           "vectors sharded, routed": (0, "from_activations"), "vectors whole, routed": (4096, "from_activations")}
 
 
 def option_files(target: str, folder: pathlib.Path = RESULTS) -> dict[str, pathlib.Path]:
     """The stored training-step sweep of each option for ``target`` (``tpu_v5p_2x2x2``,
     ``tpu_v5p_2x2x2_async``, ``tpu_v6e_2x4``), by option name."""
-    return {name: folder / f"memory_sweep_{target}{suffix}_sgd.json" for name, suffix in OPTIONS.items()}
+    return {name: folder / f"memory_sweep_{target}{options_suffix(*options, True, True)}.json"
+            for name, options in OPTIONS.items()}
 
 
 def best_per_model(sweeps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
