@@ -194,7 +194,8 @@ def build(kind, layers, policy, mesh=None, width=W):
     return _linen(layers, policy, kind == "linen_scan", mesh, width)
 
 
-def step_memory(kind, layers, policy, mesh=None, width=W):
+def step_memory(kind, layers, policy, mesh=None, width=W, compiler_options=None):
+    """``compiler_options``: handed to ``compile`` (``{"xla_dump_to": DIR}`` for XLA's buffer assignment)."""
     step, params = build(kind, layers, policy, mesh, width)
-    compiled = step.lower(params, _sds(BATCH, width, mesh=mesh)).compile()
+    compiled = step.lower(params, _sds(BATCH, width, mesh=mesh)).compile(compiler_options=compiler_options)
     return compiled.memory_analysis(), compiled.as_text()

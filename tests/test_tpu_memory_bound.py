@@ -5,7 +5,7 @@ compiles."""
 
 import jax.numpy as jnp
 import pytest
-from memory_models import BATCH, KINDS, _sds, activation_bytes, build, fsdp2_bound, layer_bytes, step_memory
+from memory_models import KINDS, activation_bytes, fsdp2_bound, layer_bytes, step_memory
 
 import jshard as js
 from benchmarks import heap_at_peak, memory_sweep
@@ -21,11 +21,18 @@ def _hbm_temporaries(stats) -> int:
     return stats.peak_memory_in_bytes - taken
 
 
+def _v5p_mesh():
+    return memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+
+
+def _mixed_precision(precision: str) -> js.MixedPrecisionPolicy:
+    return js.MixedPrecisionPolicy() if precision == "fp32" else js.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
+
+
 def _bound_growth(kind: str, raf: bool, precision: str, width: int = 2048) -> tuple[float, dict[int, int]]:
     """Per extra layer, from 4 to 12, the HBM temporaries' growth; and the allocation at each depth."""
-    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
-    mp = js.MixedPrecisionPolicy() if precision == "fp32" else js.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
-    policy = js.FullyShardPolicy(reshard_after_forward=raf, mp_policy=mp)
+    mesh = _v5p_mesh()
+    policy = js.FullyShardPolicy(reshard_after_forward=raf, mp_policy=_mixed_precision(precision))
     stats = {layers: step_memory(kind, layers, policy, mesh, width)[0] for layers in (4, 12)}
     grown = (_hbm_temporaries(stats[12]) - _hbm_temporaries(stats[4])) / 8
     return grown, {layers: s.temp_size_in_bytes for layers, s in stats.items()}
@@ -62,10 +69,8 @@ def test_the_tpu_memory_bound_catches_gathered_layers_kept(kind):
 def _hbm_occupied(kind: str, layers: int, policy: js.FullyShardPolicy, tmp_path) -> int:
     """The most bytes of XLA:TPU's HBM temporaries occupied at once, read from its buffer assignment and
     live ranges (``benchmarks.heap_at_peak``): what the device holds beyond what the step takes and returns."""
-    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
-    step, params = build(kind, layers, policy, mesh, 2048)
     directory = tmp_path / f"{kind}_{layers}"
-    step.lower(params, _sds(BATCH, 2048, mesh=mesh)).compile(compiler_options={"xla_dump_to": str(directory)})
+    step_memory(kind, layers, policy, _v5p_mesh(), 2048, compiler_options={"xla_dump_to": str(directory)})
     return heap_at_peak.read_dump(directory)[0].occupied
 
 
@@ -79,8 +84,7 @@ def test_the_memory_bound_holds_with_weight_gradients_from_activations_on_v5p(ki
     ``nn.scan`` 1.00 / 1.00; at 12 layers 2.75-19.53 MiB against the reduced route's 26.25-32.50."""
     limit = 3 * activation_bytes(2048) + layer_bytes(2048) // 16
     for precision in ("fp32", "bf16"):
-        mp = js.MixedPrecisionPolicy() if precision == "fp32" else js.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
-        policy = js.FullyShardPolicy(mp_policy=mp, weight_gradients="from_activations")
+        policy = js.FullyShardPolicy(mp_policy=_mixed_precision(precision), weight_gradients="from_activations")
         held = {layers: _hbm_occupied(kind, layers, policy, tmp_path / precision) for layers in (4, 12)}
         assert (held[12] - held[4]) / 8 <= limit, (kind, precision, held)
 
