@@ -337,8 +337,18 @@ def options_suffix(replicate_below: int, weight_gradients: str, backward_prefetc
 
 
 def above_recipe(result: dict[str, Any]) -> bool:
-    """Whether jshard's peak is above the best recipe's, to two decimals of their ratio."""
-    return round(_peak_ratio(result), 2) > 1
+    """Whether jshard's peak is above the best recipe's (:func:`exceeds`)."""
+    return exceeds(result["peak_bytes"]["jshard"], result["peak_bytes"][best_recipe(result)])
+
+
+def exceeds(jshard: int, recipe: int) -> bool:
+    """Whether a jshard peak is above a recipe's, to two decimals of their ratio (the tables' rule).
+
+    Example:
+      >>> exceeds(1004, 1000), exceeds(1006, 1000)
+      (False, True)
+    """
+    return round(jshard / recipe, 2) > 1
 
 
 def best_recipe(result: dict[str, Any]) -> str:

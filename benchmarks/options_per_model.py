@@ -17,7 +17,7 @@ import json
 import pathlib
 from typing import Any
 
-from benchmarks.memory_sweep import RESULTS, options_suffix
+from benchmarks.memory_sweep import RESULTS, exceeds, options_suffix
 
 # The options, by name: (replicate_below, weight_gradients) as memory_sweep's sweeps ran them.
 OPTIONS = {"vectors sharded, reduced": (0, "reduced"), "vectors whole, reduced": (4096, "reduced"),
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"No stored sweep {', '.join(missing)}: run benchmarks.memory_sweep --apply-sgd with "
                          "that option first.")
     rows = best_per_model({option: json.loads(path.read_text()) for option, path in files.items()})
-    above = [r for r in rows if r["jshard"] > r["recipe"]]
+    above = [r for r in rows if exceeds(r["jshard"], r["recipe"])]
     mib = 2**20
     print(f"{args.target}: jshard's lowest of {len(files)} options above the best recipe in {len(above)} of "
           f"{len(rows)} models")
