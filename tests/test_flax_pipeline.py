@@ -313,8 +313,8 @@ def test_the_docs_flax_pipeline_examples_run(marker, last, capsys):
 
 
 @pytest.mark.slow  # +16 s; the default run checks the route: test_*_stack_runs_as_pipeline_stages[...-1f1b]
-@pytest.mark.parametrize("one_f_one_b,after", zip(["pipeline-nnx-1f1b-example", "pipeline-linen-1f1b-example"],
-                                                  DOCS_BLOCKS, strict=True))
+@pytest.mark.parametrize("one_f_one_b,after", list(zip(["pipeline-nnx-1f1b-example", "pipeline-linen-1f1b-example"],
+                                                       DOCS_BLOCKS, strict=True)))
 def test_the_docs_flax_1f1b_examples_continue_the_gpipe_ones(one_f_one_b, after, capsys):
     """Each 1F1B block, run after its GPipe block in the same namespace: the one-device loss and head gradients."""
     printed = docs_example_output("docs/parallelism.md", one_f_one_b, capsys, after=after[0])
