@@ -282,10 +282,11 @@ def models(quick: bool) -> list[Model]:
 
 def target_mesh(target: CompileTarget) -> Mesh:
     """A 1-D ``fsdp`` mesh (Auto axes, as the recipes want) over the target's devices, in the
-    order ``jax.make_mesh`` gives them (row-major over a TPU torus, which a topology's own
-    device list is not from 4x4x4 up: [Note: torus phases])."""
+    order :func:`jshard.make_mesh` gives them: row-major over a TPU torus (which a topology's own
+    device list is not from 4x4x4 up, nor ``jax.make_mesh``'s on a v5p 2x2x2 from jax 0.11 on:
+    [Note: torus phases]); on jax 0.10 the order ``jax.make_mesh`` gives, which the stored sweeps used."""
     devices = target.tpu_devices() if target.platform == "tpu" else jax.devices()[: target.devices]
-    return jax.make_mesh((len(devices),), ("fsdp",), devices=devices, axis_types=(AxisType.Auto,))
+    return Mesh(js.make_mesh(devices=devices).devices, ("fsdp",), axis_types=(AxisType.Auto,))
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
