@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
+from jax_behaviour import ZEROS_DROP_THE_SPLIT, zeros_follow_explicit_types
 
 import jshard as js
 from jshard.flax import linen as jlinen
@@ -62,6 +63,8 @@ def test_nnx_model_built_under_nnx_jit_is_split_with_its_optimizer(wrap):
     assert model.blocks[0].up.kernel.get_value().sharding.spec[0] == "fsdp"
     params = nnx.state(model, nnx.Param)
     assert_same_placement_and_values(params, nnx.state(eager, nnx.Param))
+    if wrap == "plain" and not zeros_follow_explicit_types():
+        pytest.xfail(ZEROS_DROP_THE_SPLIT)
     assert_state_split_like(nnx.state(optimizer, nnx.optimizer.OptState), params)
 
 
