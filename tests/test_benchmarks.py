@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax_behaviour import other_libtpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = {"peak_bytes", "xla_peak_bytes", "argument_bytes", "temp_bytes", "output_bytes", "collective_bytes",
@@ -165,6 +166,7 @@ def test_heap_at_peak_reads_a_tpu_compiled_step(tmp_path):
     assert "jshard:" in heap_at_peak.describe("jshard", 1 << 20, heap, ops, top=3)
 
 
+@other_libtpu("the row reads jshard 4.18 MiB against the recipe's 3.17 (1.32x), not 3.26 against 3.11")
 def test_heap_at_peak_reads_every_row_above_the_recipe_of_a_stored_sweep(tmp_path, capsys):
     """``--above``: for a stored v5p training-step sweep cut to two rows, one row of the table for
     the model above the recipe (unrolled 4x512 tanh layers kept in fp32, 1.05x), none for the one
