@@ -12,7 +12,6 @@ counted in the compiled HLO: ``True`` re-gathers each layer's weight in backward
 import functools
 import re
 
-import jax
 import jax.numpy as jnp
 import pytest
 from memory_models import BATCH, KINDS, STACKED, N, W, activation_bytes, fsdp2_bound, layer_bytes, step_memory
@@ -110,11 +109,6 @@ def _entry_schedule(hlo: str) -> list[tuple[str, str]]:
     return out
 
 
-ADAPTER_PREFETCH_ON_JAX_0_11 = (
-    "known on jax >= 0.11 (measured on 0.12.0.1): the first two backward re-gathers of NNX and Linen units "
-    "depend on each other again, so the adapters' backward prefetch is lost there (core units keep it)")
-
-
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in STACKED])
 def test_compiled_schedule_prefetches_one_layer_ahead(kind):
     """Unrolled, in forward: the next layer's weight is gathered before the running layer
@@ -146,6 +140,4 @@ def test_compiled_schedule_prefetches_one_layer_ahead(kind):
     # issue a re-gather late): two consecutive re-gathers do not wait for each other, where without
     # prefetch each waited for the backward of the layer after it, and so for that layer's re-gather.
     independent = backward[0] not in _entry_dependences(hlo)[backward[1]]
-    if not independent and kind in ("nnx", "linen") and jax.__version_info__ >= (0, 11):
-        pytest.xfail(ADAPTER_PREFETCH_ON_JAX_0_11)
     assert independent, kind
