@@ -141,6 +141,9 @@ def test_make_mesh_keeps_torus_phases_where_jax_lays_a_v5p_slice_out_as_a_ring(m
     assert sorted(mesh.devices.flat, key=id) == sorted(ring, key=id)  # the same chips, each FSDP group reordered
     assert [sorted(map(id, row)) for row in mesh.devices.reshape(replicate, -1)] == \
         [sorted(map(id, row)) for row in ring.reshape(replicate, -1)]
+    with pytest.warns(UserWarning, match=r"4 devices of mesh axis 'fsdp' are not laid out row-major.*js.make_mesh"):
+        jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, ring_mesh((2, 4), ("replicate", "fsdp"))))
+    jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, mesh))  # row-major: no warning
 
 
 def test_v5p_reduces_gradients_in_torus_phases():

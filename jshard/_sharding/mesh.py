@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -178,13 +179,21 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
             f"Mesh with axes {{{_describe(mesh)}}} has no axis {missing[0]!r} named in "
             f"`dp_mesh_dims`; name axes of this mesh, or build the mesh with js.make_mesh()."
         )
+    phases = scatter_phases(mesh, dims.shard)
+    if not phases and dims.shard == ("fsdp",) and names[-1] == "fsdp" and torus_rows(mesh) is not mesh:
+        warnings.warn(
+            f"The {mesh.shape['fsdp']} devices of mesh axis 'fsdp' are not laid out row-major over the TPU "
+            "torus (jax.make_mesh lays a v5p 2x2x2 slice out as a ring from jax 0.11 on), so gradients cannot "
+            "be reduced one torus dimension at a time: XLA:TPU will all-reduce each gradient whole and hold "
+            "several at once. Build the mesh with js.make_mesh(), which lays each FSDP group out row-major.",
+            stacklevel=3)
     return MeshAxes(
         shard=dims.shard,
         replicate=dims.replicate,
         shard_size=math.prod(mesh.shape[a] for a in dims.shard),
         replicate_size=math.prod(mesh.shape[a] for a in dims.replicate),
         model=tuple((a, mesh.shape[a]) for a in names if a not in dims.shard + dims.replicate),
-        scatter_phases=scatter_phases(mesh, dims.shard),
+        scatter_phases=phases,
         gather_phases=gather_phases(mesh, dims.shard),
         tpu_mesh=mesh if mesh.devices.flat[0].platform == "tpu" else None,
     )
