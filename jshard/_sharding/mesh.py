@@ -49,10 +49,12 @@ def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None
         )
     slices = len({slice_of(d) for d in devices})
     if slices > 1:
-        return torus_rows(_multi_slice_mesh(devices, replicate, slices))
-    if replicate == 1:
-        return torus_rows(jax.make_mesh((n,), ("fsdp",), devices=devices))
-    return torus_rows(jax.make_mesh((replicate, n // replicate), ("replicate", "fsdp"), devices=devices))
+        mesh = _multi_slice_mesh(devices, replicate, slices)
+    elif replicate == 1:
+        mesh = jax.make_mesh((n,), ("fsdp",), devices=devices)
+    else:
+        mesh = jax.make_mesh((replicate, n // replicate), ("replicate", "fsdp"), devices=devices)
+    return torus_rows(mesh)
 
 
 def torus_rows(mesh: Mesh) -> Mesh:
