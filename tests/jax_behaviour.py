@@ -41,10 +41,17 @@ def libtpu_version() -> str:
 MEASURED_LIBTPU = "0.0.42.1"
 
 
+def on_other_libtpu() -> bool:
+    """Whether another libtpu than :data:`MEASURED_LIBTPU` is installed (jax 0.12.0.1 brings 0.0.50.1)."""
+    return libtpu_version() != MEASURED_LIBTPU
+
+
+def other_libtpu_reason(what: str) -> str:
+    """Why a figure of :data:`MEASURED_LIBTPU` is not met here; ``what``: how the installed libtpu differs."""
+    return f"measured on libtpu {MEASURED_LIBTPU}; libtpu {libtpu_version()}: {what}"
+
+
 def other_libtpu(what: str) -> pytest.MarkDecorator:
-    """An expected failure where another libtpu than :data:`MEASURED_LIBTPU` is installed (jax 0.12.0.1
-    brings 0.0.50.1): the XLA:TPU figure the test pins is that compiler's; ``what``: how the other
-    differs, as measured. Not strict: a case that holds there too passes."""
-    version = libtpu_version()
-    return pytest.mark.xfail(version != MEASURED_LIBTPU, strict=False,
-                             reason=f"measured on libtpu {MEASURED_LIBTPU}; libtpu {version}: {what}")
+    """An expected failure :func:`on_other_libtpu`: the XLA:TPU figure the test pins is that compiler's;
+    ``what``: how the other differs, as measured. Not strict: a case that holds there too passes."""
+    return pytest.mark.xfail(on_other_libtpu(), strict=False, reason=other_libtpu_reason(what))

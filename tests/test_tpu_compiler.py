@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ASYNC_GATHER_REFUSED = ("it refuses MaxText's all-gather continuation fusion on v5p (FAILED_PRECONDITION: "
                         "not supported or recommended on platforms other than TPU v5e)")
 
+
 def _tpu(topology: str, slices: int = 1) -> list:
     kwargs = {"num_slices": slices} if slices > 1 else {}
     return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs).devices)
