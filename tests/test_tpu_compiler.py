@@ -147,6 +147,51 @@ def test_make_mesh_keeps_torus_phases_where_jax_lays_a_v5p_slice_out_as_a_ring(m
     jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, mesh))  # row-major: no warning
 
 
+def _neighbours(group) -> bool:
+    """Whether consecutive devices of ``group`` differ in one torus coordinate, by one."""
+    steps = [np.abs(np.subtract(a.coords, b.coords)) for a, b in zip(group, group[1:])]
+    return all(step.sum() == 1 for step in steps)
+
+
+def test_tensor_parallel_meshes_keep_tp_groups_on_neighbours_and_fsdp_groups_in_torus_phases(monkeypatch):
+    """The planner's and the demo's ``("fsdp", "tp")`` meshes (``plan_mesh``): each ``"tp"`` group runs
+    along one torus dimension inside a slice, the FSDP groups keep their torus phases. ``jax.make_mesh``
+    refused a ``"tp"`` axis of 2 over a v5p 4x4x4 (and ``js.make_mesh(replicate=2)`` there), and from
+    jax 0.11 on laid a v5p 2x2x2 out as a ring, the FSDP groups of ``("fsdp", "tp")`` with no phases."""
+    from jshard._plan.planner import plan_mesh
+    from jshard._sharding.mesh import tensor_parallel_mesh
+
+    cube = _tpu("v5p:4x4x4")
+    for replicate in (1, 2):
+        mesh = plan_mesh(64, replicate, 2, pool=cube)
+        assert dict(mesh.shape) == ({"fsdp": 32, "tp": 2} if replicate == 1 else {"replicate": 2, "fsdp": 16, "tp": 2})
+        assert all(_neighbours(list(group)) for group in mesh.devices.reshape(-1, 2))
+        assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}
+    assert scatter_phases(plan_mesh(64, 2, 2, pool=cube), ("fsdp",)) == (4, 4)
+    assert np.prod(scatter_phases(js.make_mesh(replicate=2, devices=cube), ("fsdp",))) == 32
+    assert scatter_phases(plan_mesh(64, 1, 4, pool=cube), ("fsdp",)) == (4, 4)
+    # "tp" takes a torus dimension of its size, not a split of the fastest one (2x2x4's z, 4x4x8's z).
+    assert scatter_phases(plan_mesh(16, 1, 2, pool=_tpu("v5p:2x2x4")), ("fsdp",)) == (2, 4)
+    assert scatter_phases(plan_mesh(128, 1, 4, pool=_tpu("v5p:4x4x8")), ("fsdp",)) == (4, 8)
+
+    two_slices = _tpu("v5p:2x2x2", slices=2)
+    mesh = plan_mesh(16, 2, 2, pool=two_slices)
+    assert all(len({slice_of(d) for d in row.flat}) == 1 for row in mesh.devices)
+    assert scatter_phases(mesh, ("fsdp",)) == (2, 2)
+    with pytest.raises(ValueError, match=r"`tensor_parallel=16` does not divide the devices of each slice.*'fsdp': 16"):
+        tensor_parallel_mesh(16, devices=two_slices)
+    with pytest.raises(ValueError, match=r"`tensor_parallel=3` does not divide mesh axis 'fsdp' of size 8"):
+        tensor_parallel_mesh(3, devices=_tpu("v5p:2x2x2"))
+
+    by_coords = {tuple(d.coords): d for d in _tpu("v5p:2x2x2")}
+    ring = np.array([by_coords[c] for c in RING_2X2X2])
+    monkeypatch.setattr(jax, "make_mesh", lambda shape, names, *a, devices=None, **k: jax.sharding.Mesh(
+        ring.reshape(shape), names, **k))
+    mesh = plan_mesh(8, 1, 2, pool=list(by_coords.values()))
+    assert scatter_phases(mesh, ("fsdp",)) == (2, 2)
+    assert all(_neighbours(list(group)) for group in mesh.devices)
+
+
 def test_v5p_reduces_gradients_in_torus_phases():
     """[Note: torus phases]: on a 2x2x2 v5p slice the gradients are reduce-scattered along x, y, z
     (native reduce-scatters, groups of 2), never all-reduced whole; v6e keeps one reduce-scatter."""

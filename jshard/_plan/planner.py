@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType
 
 from jshard._plan.buffers import Buffer, buffer_lines, dump_flag, largest_temporaries
 from jshard._plan.compiler import CompileTarget
@@ -36,7 +35,7 @@ from jshard._plan.target import PlanConfig, call_build, load_build, spec_of
 from jshard._report.flops import matmul_flops
 from jshard._report.report import Report, format_report, report_compiled
 from jshard._report.step_collectives import data_center_bytes
-from jshard._sharding.mesh import make_mesh
+from jshard._sharding.mesh import make_mesh, tensor_parallel_mesh
 
 
 def plan_mesh(devices: int, replicate: int = 1, tensor_parallel: int = 1,
@@ -45,7 +44,8 @@ def plan_mesh(devices: int, replicate: int = 1, tensor_parallel: int = 1,
 
     :func:`jshard.make_mesh`'s (``("fsdp",)``, or ``("replicate", "fsdp")`` with
     ``replicate > 1``); with ``tensor_parallel > 1`` a trailing ``"tp"`` axis of that
-    size, every axis Auto (GSPMD's tensor parallelism, as the demo's ``--tensor-parallel``).
+    size, every axis Auto (GSPMD's tensor parallelism, as the demo's ``--tensor-parallel``;
+    ``jshard._sharding.mesh.tensor_parallel_mesh`` says how its groups lie on a TPU torus).
     """
     pool = list(jax.devices() if pool is None else pool)
     if devices < 1 or devices % (replicate * tensor_parallel) or devices > len(pool):
@@ -54,10 +54,7 @@ def plan_mesh(devices: int, replicate: int = 1, tensor_parallel: int = 1,
     chosen = pool[:devices]
     if tensor_parallel == 1:
         return make_mesh(replicate=replicate, devices=chosen)
-    shape = {"replicate": replicate, "fsdp": devices // (replicate * tensor_parallel), "tp": tensor_parallel}
-    names = tuple(k for k, v in shape.items() if k != "replicate" or v > 1)
-    return jax.make_mesh(tuple(shape[k] for k in names), names, devices=chosen,
-                         axis_types=(AxisType.Auto,) * len(names))
+    return tensor_parallel_mesh(tensor_parallel, replicate=replicate, devices=chosen)
 
 
 @dataclasses.dataclass(frozen=True)

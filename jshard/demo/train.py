@@ -325,16 +325,16 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
 def _mesh(tensor_parallel: int) -> Any:
     """All devices: FSDP over ``"fsdp"``, or with ``tensor_parallel > 1`` a 2-D ``("fsdp", "tp")`` mesh."""
     import jax
-    from jax.sharding import AxisType
 
     import jshard as js
+    from jshard._sharding.mesh import tensor_parallel_mesh
 
     if tensor_parallel <= 1:
         return js.make_mesh()
     n = len(jax.devices())
     if n % tensor_parallel:
         raise SystemExit(f"--tensor-parallel {tensor_parallel} does not divide the {n} devices; pick a divisor of {n}.")
-    return jax.make_mesh((n // tensor_parallel, tensor_parallel), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    return tensor_parallel_mesh(tensor_parallel)
 
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
