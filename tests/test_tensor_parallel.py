@@ -230,6 +230,7 @@ def test_the_report_lists_tensor_parallel_collectives_apart_and_matches_the_anal
     assert report.model_collective_bytes["all-reduce"] > 0  # Megatron's partial sums over tp
     assert report.analytic.param_bytes == 4 * ((64 * 256 * 2 + 256) // 8 + 64 // 4)
     text = str(report)
+    assert text.startswith("jshard step report: mesh {fsdp=4, tp=2}, 8 devices, shard size N=4, replicate R=1")
     assert "along model axes ('tp',) (placed by GSPMD, not in the analytic model): " in text
     assert " over fsdp" in text and " over tp" in text
 

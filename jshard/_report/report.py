@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -146,7 +147,7 @@ def format_report(report: Report) -> str:
     a, m = report.analytic, report.memory
     mesh = ", ".join(f"{k}={v}" for k, v in report.mesh.items())
     lines = [
-        f"jshard step report: mesh {{{mesh}}}, {a.devices} devices, {_shard_sizes(a)}, "
+        f"jshard step report: mesh {{{mesh}}}, {math.prod(report.mesh.values())} devices, {_shard_sizes(a)}, "
         f"replicate R={a.replicate_size}",
         f"parameters: {a.params:,} (padded {a.padded_params:,}); per device: params {_mib(a.param_bytes)}, "
         f"params+optimizer state {_mib(a.state_bytes)}, one gathered unit {_mib(a.gathered_unit_bytes)}",
