@@ -149,7 +149,7 @@ def test_make_mesh_keeps_torus_phases_where_jax_lays_a_v5p_slice_out_as_a_ring(m
 
 def _neighbours(group) -> bool:
     """Whether consecutive devices of ``group`` differ in one torus coordinate, by one."""
-    steps = [np.abs(np.subtract(a.coords, b.coords)) for a, b in zip(group[:-1], group[1:], strict=True)]
+    steps = [np.abs(np.subtract(a.coords, b.coords)) for a, b in zip(group, group[1:])]
     return all(step.sum() == 1 for step in steps)
 
 
@@ -190,10 +190,6 @@ def test_tensor_parallel_meshes_keep_tp_groups_on_neighbours_and_fsdp_groups_in_
     mesh = plan_mesh(8, 1, 2, pool=list(by_coords.values()))
     assert scatter_phases(mesh, ("fsdp",)) == (2, 2)
     assert all(_neighbours(list(group)) for group in mesh.devices)
-    abstract = {"w": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
-    with pytest.warns(UserWarning, match=r"4 devices of mesh axis 'fsdp' are not laid out row-major.*'tp' axis"):
-        js.fully_shard(abstract, jax.make_mesh((4, 2), ("fsdp", "tp")))  # the ring, as jax 0.11+ lays it
-    js.fully_shard(abstract, mesh)  # no warning
 
 
 def test_v5p_reduces_gradients_in_torus_phases():

@@ -152,22 +152,6 @@ def torus_rows(mesh: Mesh) -> Mesh:
     return ordered if scatter_phases(ordered, ("fsdp",)) else mesh
 
 
-def _phases_in_jshard_order(mesh: Mesh) -> bool:
-    """Whether ``mesh``'s FSDP groups would be reduced in torus phases laid out as :func:`make_mesh`
-    (axes ``(["replicate",] "fsdp")``) or :func:`tensor_parallel_mesh` (``(..., "fsdp", "tp")``) lay
-    out the same devices, where they are not as given."""
-    names = tuple(mesh.axis_names)
-    if names[-1] == "fsdp":
-        return torus_rows(mesh) is not mesh
-    first = mesh.devices.flat[0]
-    if (names[-2:] != ("fsdp", "tp") or not set(names) <= {"replicate", "fsdp", "tp"}
-            or first.platform != "tpu" or first.device_kind not in DECOMPOSING_KINDS):
-        return False
-    ordered = tensor_parallel_mesh(mesh.shape["tp"], replicate=mesh.shape.get("replicate", 1),
-                                   devices=list(mesh.devices.flat))
-    return bool(scatter_phases(ordered, ("fsdp",)))
-
-
 def slice_of(device: jax.Device) -> int:
     """The TPU slice a device belongs to (0 for devices without ``slice_index``)."""
     return int(getattr(device, "slice_index", 0) or 0)
@@ -264,13 +248,12 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
             f"`dp_mesh_dims`; name axes of this mesh, or build the mesh with js.make_mesh()."
         )
     phases = scatter_phases(mesh, dims.shard)
-    if not phases and dims.shard == ("fsdp",) and _phases_in_jshard_order(mesh):
+    if not phases and dims.shard == ("fsdp",) and names[-1] == "fsdp" and torus_rows(mesh) is not mesh:
         warnings.warn(
             f"The {mesh.shape['fsdp']} devices of mesh axis 'fsdp' are not laid out row-major over the TPU "
             "torus (jax.make_mesh lays a v5p 2x2x2 slice out as a ring from jax 0.11 on), so gradients cannot "
             "be reduced one torus dimension at a time: XLA:TPU will all-reduce each gradient whole and hold "
-            "several at once. Build the mesh with js.make_mesh(), which lays each FSDP group out row-major "
-            "(with a 'tp' axis, split its last axis: docs/parallelism.md).",
+            "several at once. Build the mesh with js.make_mesh(), which lays each FSDP group out row-major.",
             stacklevel=3)
     return MeshAxes(
         shard=dims.shard,
