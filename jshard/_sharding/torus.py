@@ -1,21 +1,24 @@
 """How gradient reduce-scatters and parameter all-gathers follow the physical torus of a TPU slice.
 
-[Note: torus phases] XLA:TPU on chips with a 3-D torus (v4, v5p) rewrites every
-reduce-scatter whose devices span more than one torus dimension into an all-reduce of the
-whole gradient followed by a slice (its ``reduce-scatter-decomposer`` pass; measured on
-libtpu 0.0.42: an FSDP group of 8 v5p chips, 2x2x2). That moves twice a reduce-scatter's
-bytes and holds a full-size result per gradient. A reduce-scatter along *one* torus dimension
-stays native there. So when the devices of the shard axes form a row-major grid over torus
-dimensions (as ``jax.make_mesh`` and :func:`jshard.make_mesh` lay them out), the step reduces
-a gradient in one phase per dimension, slowest first: each phase is a native reduce-scatter
-over the devices that differ only in that coordinate, keeps this device's block, and the last
-leaves it exactly the chunk a single reduce-scatter would (row-major digits). The bytes sent
-add up to ``(N - 1) / N`` of the gradient, a ring reduce-scatter's. On 2-D tori (v5e, v6e)
-XLA:TPU keeps one reduce-scatter over 2x4, 2x8 and 4x8 slices but makes one over all chips
-of a 4x4 or 8x8 slice an all-reduce (a v5e-16's FSDP gradients: 3.98 MiB of all-reduce
-instead of 1.99 of reduce-scatter); there the step asks the compiler and reduces in one phase
-per torus dimension too (:func:`_planar_phases`; groups of 4 stay native whatever their
-order). On GPUs and on CPU one reduce-scatter is kept.
+[Note: torus phases] XLA:TPU on chips with a 3-D torus (v4, v5p) rewrites a reduce-scatter
+over every device of a slice (one group; each slice's group of a multi-slice program too) that
+spans more than one torus dimension into an all-reduce of the whole gradient followed by a
+slice (its ``reduce-scatter-decomposer`` pass; measured on libtpu 0.0.42: an FSDP group of 8
+v5p chips, 2x2x2). That moves twice a reduce-scatter's bytes and holds a full-size result per
+gradient. A reduce-scatter along *one* torus dimension stays native there, and so does one over
+part of a slice, in any order (two groups of 32 chips of a 4x4x4, each spanning all three
+dimensions; HSDP's groups; the FSDP groups of a ``"tp"`` mesh: libtpu 0.0.42.1 and 0.0.50.1).
+So when the devices of the shard axes form a row-major grid over torus dimensions (as
+:func:`jshard.make_mesh` lays them out), the step reduces a gradient in one phase per
+dimension, slowest first: each phase is a native reduce-scatter over the devices that differ
+only in that coordinate, keeps this device's block, and the last leaves it exactly the chunk a
+single reduce-scatter would (row-major digits). The bytes sent add up to ``(N - 1) / N`` of the
+gradient, a ring reduce-scatter's. On 2-D tori (v5e, v6e) XLA:TPU keeps one reduce-scatter over
+2x4, 2x8 and 4x8 slices but makes one over all chips of a 4x4 or 8x8 slice an all-reduce (a
+v5e-16's FSDP gradients: 3.98 MiB of all-reduce instead of 1.99 of reduce-scatter); there the
+step asks the compiler and reduces in one phase per torus dimension too
+(:func:`_planar_phases`; groups of 4 stay native whatever their order). On GPUs and on CPU one
+reduce-scatter is kept.
 
 Memory decides (:func:`phases_pay_off`): XLA runs the all-reduce in place, holding one full
 gradient, but combines independent all-reduces into one, holding all of them at once; the
@@ -25,7 +28,10 @@ one layer of a stack (a loop body) can only be combined within itself, so it kee
 all-reduce when it is a single large leaf beside small ones (a tanh layer's weight and bias).
 Measured on v5p 2x2x2: six stacked 1536 -> 4608 GELU blocks, peak 138.4 -> 111.4 MiB with
 phases; eight unrolled 1536-wide tanh layers, batch 512, 74.6 -> 25.8 MiB; four stacked
-512-wide tanh layers, 2.41 MiB without against 3.00 with.
+512-wide tanh layers, 2.41 MiB without against 3.00 with. Groups over part of a slice are
+reduced in phases too, though one reduce-scatter would stay native there: the phases hold a
+little less (the 1b demo model with HSDP R=2 on a v5p 2x2x2, 8006.7 MiB against 8138.5 with
+one reduce-scatter; on a 4x4x4, 4591.6 against 4590.9; libtpu 0.0.42.1).
 
 All-gathers follow the same torus, with a different threshold: XLA:TPU keeps one native
 all-gather over 8 to 64 v5p chips (2x2x2, 2x4x4, 2x4x8, 8x8 planes) but turns one over
