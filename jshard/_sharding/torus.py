@@ -44,6 +44,7 @@ all-gather along one dimension and the bytes are a ring all-gather's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -55,9 +56,11 @@ from jshard._sharding.compiler_probe import compiled_scatter
 DECOMPOSING_KINDS = frozenset({"TPU v4", "TPU v5", "TPU v5p"})
 
 
+@functools.cache
 def scatter_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
     """Sizes of the per-dimension phases of a reduce-scatter over ``shard_axes`` (slowest
-    first), or ``()`` where one reduce-scatter is kept (see the Note above).
+    first), or ``()`` where one reduce-scatter is kept (see the Note above). Cached: every
+    ``fully_shard`` call on a mesh asks, for its gathers and its ring check too.
 
     Example:
       >>> import jshard as js
