@@ -57,3 +57,23 @@ def _native_size(mesh: Mesh, axes: tuple[str, ...], groups, n: int, shape: tuple
         return shape[dim]
     wider = shape[:dim] + (padded,) + shape[dim + 1 :]
     return padded if compiled_scatter(mesh, axes, groups, wider, dtype, dim)[0] == "reduce-scatter" else shape[dim]
+
+
+def phases_and_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int, ...], per_dimension: tuple[int, ...],
+                     shape: tuple[int, ...], dtype: np.dtype, dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The phases a gradient of ``shape`` is reduced in, and each one's native size: ``phases``
+    (an unrolled unit's two: [Note: two phases] in ``torus.py``), or the mesh's ``per_dimension``
+    ones where XLA:TPU would pad the first of ``phases`` wider (a float32 ``[4096, 4096]`` on a
+    v5p 2x2x2: 4480 rows over groups of 4, 4256 over pairs).
+
+    Example:
+      >>> import numpy as np
+      >>> from jshard._sharding.scatter_padding import phases_and_sizes
+      >>> phases_and_sizes(None, ("fsdp",), (), (), (4096, 4096), np.dtype("float32"), 0)
+      ((), ())
+    """
+    sizes = scatter_sizes(mesh, axes, phases, shape, dtype, dim)
+    if phases == per_dimension or not sizes:
+        return phases, sizes
+    other = scatter_sizes(mesh, axes, per_dimension, shape, dtype, dim)
+    return (phases, sizes) if sizes[0] <= other[0] else (per_dimension, other)

@@ -20,9 +20,10 @@ from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import LeafLayout, memory_kind, pad
 from jshard._sharding.mesh import MeshAxes
 from jshard._sharding.policies import FullyShardPolicy
-from jshard._sharding.scatter_padding import scatter_sizes
+from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._sharding.step_axes import leaf_view
 from jshard._sharding.step_state import StepState
+from jshard._sharding.torus import unit_phases
 from jshard._step import collectives as C
 from jshard._step.model_manual import interleave_model, model_manual, model_piece
 from jshard._step.offload import to_device, to_host
@@ -131,9 +132,9 @@ def _over_shard_axes(comm: LeafComm, g: jax.Array) -> jax.Array:
     piece = model_piece(pad(g, layout), layout, comm.axes)
     if policy.custom_reduce_scatter is not None:
         return policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
-    sizes = scatter_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases, piece.shape, piece.dtype,
-                          layout.dim)
-    return C.reduce_scatter(piece, comm.axes.shard, layout.dim, comm.scatter_phases, sizes)
+    phases, sizes = phases_and_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases,
+                                     comm.axes.scatter_phases, piece.shape, piece.dtype, layout.dim)
+    return C.reduce_scatter(piece, comm.axes.shard, layout.dim, phases, sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -240,7 +241,7 @@ def leaf_comm(
     if layer:
         layout = layer_layout(layout)
     factor = policy.gradient_divide_factor or step.axes.data_parallel_size
-    phases = axes.scatter_phases if phased else ()
+    phases = unit_phases(axes.scatter_phases, in_loop) if phased else ()
     shard_dtype = None if shard_dtype is None or np.dtype(shard_dtype) == layout.dtype else np.dtype(shard_dtype)
     return LeafComm(layout, axes, policy, float(factor), step.skip_all_reduce, in_loop, phases, shard_dtype)
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import pad
-from jshard._sharding.scatter_padding import scatter_sizes
+from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm
 from jshard._step.offload import to_device, to_host
@@ -130,6 +130,7 @@ def _scatter_rows(comm0: LeafComm, flat: jax.Array) -> jax.Array:
     n, size = flat.shape
     rows = -(-size // TPU_TILE)
     tiles = jnp.pad(flat, ((0, 0), (0, rows * TPU_TILE - size))).reshape(n * rows, TPU_TILE)
-    sizes = scatter_sizes(axes.tpu_mesh, axes.shard, phases, tiles.shape, tiles.dtype, 0)
+    phases, sizes = phases_and_sizes(axes.tpu_mesh, axes.shard, phases, axes.scatter_phases, tiles.shape,
+                                     tiles.dtype, 0)
     return C.reduce_scatter(tiles, axes.shard, 0, phases, sizes).reshape(-1)[:size]
 
