@@ -74,12 +74,13 @@ def tensor_parallel_mesh(tensor_parallel: int, *, replicate: int = 1,
     """:func:`make_mesh`'s mesh with its ``"fsdp"`` axis split into ``("fsdp", "tp")``, every axis Auto
     (GSPMD's tensor parallelism, as the demo's ``--tensor-parallel`` and the planner's meshes use it).
 
-    Each ``"tp"`` group is ``tensor_parallel`` consecutive devices of an FSDP group, so it stays in one
-    slice and, on a TPU torus, runs along the group's fastest dimension; the FSDP groups keep the
-    rest of :func:`make_mesh`'s row-major order (on a v5p 2x2x2 with ``tensor_parallel=2``, a 2x2
-    grid: gradients reduced in torus phases, where ``jax.make_mesh`` from jax 0.11 on gives none).
-    Unlike ``jax.make_mesh``, a ``"tp"`` axis that splits a torus dimension is built too (2 over a
-    v5p 4x4x4, which jax's ``mesh_utils`` refuses).
+    Each ``"tp"`` group is ``tensor_parallel`` devices of one FSDP group, so it stays in one slice;
+    on a TPU torus they run along a dimension of that size where there is one (else along the
+    fastest, split), the FSDP groups row-major over the rest (on a v5p 2x2x2 with
+    ``tensor_parallel=2`` a 2x2 grid, reduced in torus phases, which hold a little less than the
+    one native reduce-scatter over jax 0.11+'s ring order: [Note: torus phases]). Unlike
+    ``jax.make_mesh``, a ``"tp"`` axis that splits a torus dimension is built too (2 over a v5p
+    4x4x4, which jax's ``mesh_utils`` refuses).
 
     Example:
       >>> from jshard._sharding.mesh import tensor_parallel_mesh

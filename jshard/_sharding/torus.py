@@ -33,17 +33,18 @@ reduced in phases too, though one reduce-scatter would stay native there: the ph
 little less (the 1b demo model with HSDP R=2 on a v5p 2x2x2, 8006.7 MiB against 8138.5 with
 one reduce-scatter; on a 4x4x4, 4591.6 against 4590.9; libtpu 0.0.42.1).
 
-[Note: two phases] Since a reduce-scatter over part of a slice stays native, an unrolled
-unit's gradient needs only two phases (:func:`unit_phases`): one over the devices that share
-the fastest torus coordinate (every other dimension at once), then one along the fastest. The
-first leaves ``last / N`` of the gradient (a quarter on a 2x2x2, a sixteenth on a 4x4x8), not
-half, and the bytes are the same ring figure. Measured on the v5p 2x2x2 training-step sweep
-(48 models, SGD applied) against one phase per dimension: the worst row (tanh, 8 unrolled
-layers of 1536, kept, fp32) 31.93 -> 27.74 MiB on libtpu 0.0.42.1 and 34.64 -> 28.49 on
-0.0.50.1. Loop bodies keep one phase per dimension: there the two phases
+[Note: two phases] Since a reduce-scatter over part of a slice stays native, an unrolled unit's
+gradient needs only two phases (:func:`unit_phases`): one over the devices that share the
+fastest torus coordinate (every other dimension at once), then one along the fastest. The first
+leaves ``last / N`` of the gradient (a quarter on a 2x2x2, a sixteenth on a 4x4x8), not half,
+and the bytes are the same ring figure; a gradient whose first phase XLA:TPU would pad wider
+keeps one phase per dimension (``phases_and_sizes`` in ``scatter_padding.py``). Measured on the
+v5p 2x2x2 training-step sweep (48 models, SGD applied) against one phase per dimension: the
+worst row (tanh, 8 unrolled layers of 1536, kept, fp32) 31.93 -> 27.74 MiB on libtpu 0.0.42.1
+and 34.64 -> 28.49 on 0.0.50.1. Loop bodies keep one phase per dimension: there the two phases
 moved the stacked gradient into the temporaries of the 1536 -> 4608 GELU stacks (+33 and +50
-MiB on both compilers) and gained nothing on the 1b demo's scan (5618.4 against 5618.2 MiB on
-a 2x2x2, 4328.2 against 4327.7 on a 4x4x8).
+MiB on both compilers) and gained nothing on the 1b demo's scan (5618.4 against 5618.2 MiB on a
+2x2x2, 4328.2 against 4327.7 on a 4x4x8).
 
 All-gathers follow the same torus, with a different threshold: XLA:TPU keeps one native
 all-gather over 8 to 64 v5p chips (2x2x2, 2x4x4, 2x4x8, 8x8 planes) but turns one over
