@@ -599,6 +599,9 @@ def test_a_two_slice_plan_shows_the_traffic_between_slices():
     grads = (2 * 2 * 256 * 512 * 4 + 256 * 128 * 4) / 4  # each device's gradient shards, fp32
     assert p.dcn_bytes >= grads  # every shard crosses the data-center network (plus the loss)
     assert "between slices (data-center network)" in str(p)
+    # the report's all-reduce row compares within-slice all-reduces with the cross-slice figure: said
+    assert p.report.collective_bytes["all-reduce"] < 0.1 * p.report.analytic.all_reduce
+    assert "the analytic all-reduce across replicas" in str(p)
 
 
 def test_the_tpu_planning_commands_of_docs_planning_run(capsys):

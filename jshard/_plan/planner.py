@@ -141,6 +141,10 @@ class Plan:
             within = sum(c.wire_bytes_per_step for c in self.report.collectives)
             lines.append(f"between slices (data-center network): {_size(self.dcn_bytes)}/device/step sent; "
                          f"within a slice (the collectives above): {_size(within)}/device/step")
+            if a.all_reduce:  # HSDP's replicas span the slices: XLA:TPU sends their all-reduce as above
+                lines.append(f"  the analytic all-reduce across replicas ({_size(a.all_reduce)}) goes between slices "
+                             "where the replicas sit in different ones: counted on this line, not in the all-reduce "
+                             "row above (collectives within a slice)")
         if not m.alias and m.output > 0.1 * m.argument:
             lines.append("note: the step donates no arguments; XLA then parks temporaries in the output buffers, "
                          "so temp reads low: jit it with donate_argnums for a training step's real figure")
