@@ -264,6 +264,23 @@ def test_large_gradients_are_padded_to_the_size_xla_tpu_reduce_scatters_natively
     assert grads * 7 / 8 <= sent["reduce-scatter"] <= 1.05 * grads * 7 / 8
 
 
+def test_two_phases_fall_back_to_one_per_dimension_only_where_they_pad_wider(monkeypatch):
+    """``phases_and_sizes`` ([Note: two phases]): an unrolled unit's two phases give way to one per
+    torus dimension where XLA:TPU would pad their first wider; a leaf left unphased (``()``, the
+    in-place all-reduce ``phases_pay_off`` chose) stays so whatever its padding."""
+    import jshard._sharding.scatter_padding as scatter_padding
+
+    first = {(4, 2): 4480, (2, 2, 2): 4256, (): 4500}
+    monkeypatch.setattr(scatter_padding, "scatter_sizes", lambda mesh, axes, phases, *a: (first[phases],))
+    mesh, f32 = object(), np.dtype("float32")
+    assert scatter_padding.phases_and_sizes(mesh, ("fsdp",), (4, 2), (2, 2, 2), (4096, 4096), f32, 0) == \
+        ((2, 2, 2), (4256,))
+    assert scatter_padding.phases_and_sizes(mesh, ("fsdp",), (), (2, 2, 2), (4096, 4096), f32, 0) == ((), (4500,))
+    first[(4, 2)] = 4256
+    assert scatter_padding.phases_and_sizes(mesh, ("fsdp",), (4, 2), (2, 2, 2), (4096, 4096), f32, 0) == \
+        ((4, 2), (4256,))
+
+
 def _small_unit_builder(mesh, config=None):
     """Two layers of a matrix and a bias each, one unit per layer, one collective per unit: each
     device's flat buffer holds 64 * 96 / 8 + 96 / 8 = 780 elements, not a multiple of 128."""

@@ -73,7 +73,7 @@ def phases_and_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int
       ((), ())
     """
     sizes = scatter_sizes(mesh, axes, phases, shape, dtype, dim)
-    if phases == per_dimension or not sizes:
+    if not phases or phases == per_dimension or not sizes:  # () is a choice too (``phases_pay_off``)
         return phases, sizes
     other = scatter_sizes(mesh, axes, per_dimension, shape, dtype, dim)
     return (phases, sizes) if sizes[0] <= other[0] else (per_dimension, other)
