@@ -25,7 +25,7 @@ from jax_behaviour import other_libtpu
 
 import jshard as js
 from benchmarks.memory_sweep import ASYNC_COLLECTIVE_FLAGS
-from jshard._sharding.mesh import slice_of
+from jshard._sharding.mesh import slice_of, tensor_parallel_mesh
 from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._sharding.torus import gather_phases, scatter_phases
 from jshard.report import CompileTarget, Memory, PlanConfig, plan, scaling, step_collectives, step_report
@@ -124,13 +124,6 @@ def test_v5p_decomposes_a_reduce_scatter_over_a_whole_slice_only():
     assert compiled_scatter(mesh, ("fsdp",), halves, (32 * 128, 512), "float32", 0) == ("reduce-scatter", None)
 
 
-def _row_major_mesh(shape, names, devices):
-    """A mesh of ``devices`` laid out row-major over the torus, as jax 0.10's ``jax.make_mesh`` lays
-    them (0.11+ lays a v5p 2x2x2 out as a ring)."""
-    ordered = sorted(devices, key=lambda d: tuple(d.coords))
-    return jax.sharding.Mesh(np.array(ordered).reshape(shape), names)
-
-
 # jax 0.11+'s order of a v5p 2x2x2 slice's chips in a 1-D mesh: a ring, each chip a neighbour of the next.
 RING_2X2X2 = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0), (0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
 
@@ -177,7 +170,6 @@ def test_tensor_parallel_meshes_keep_tp_groups_on_neighbours_and_fsdp_groups_in_
     (harmless there: one reduce-scatter over part of a slice stays native, but the phases hold a
     little less: [Note: torus phases])."""
     from jshard._plan.planner import plan_mesh
-    from jshard._sharding.mesh import tensor_parallel_mesh
 
     cube = _tpu("v5p:4x4x4")
     for replicate in (1, 2):
@@ -214,7 +206,7 @@ def test_v5p_reduces_gradients_in_torus_phases():
     """[Note: torus phases]: on a 2x2x2 v5p slice the gradients are reduce-scattered along x, y, z
     (native reduce-scatters, groups of 2), never all-reduced whole; v6e keeps one reduce-scatter."""
     assert scatter_phases(js.make_mesh(devices=_tpu("v5p:2x2x2")), ("fsdp",)) == (2, 2, 2)
-    assert scatter_phases(_row_major_mesh((4, 2), ("fsdp", "tp"), _tpu("v5p:2x2x2")), ("fsdp",)) == (2, 2)
+    assert scatter_phases(tensor_parallel_mesh(2, devices=_tpu("v5p:2x2x2")), ("fsdp",)) == (2, 2)
     assert scatter_phases(jax.make_mesh((8,), ("fsdp",), devices=_tpu("v6e:2x4")), ("fsdp",)) == ()
     p = plan(_mlp_builder, target="tpu:v5p:2x2x2")
     scatters = [c for c in p.report.collectives if c.kind == "reduce-scatter"]

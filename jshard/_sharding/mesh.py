@@ -119,9 +119,13 @@ def _tensor_parallel_last(row: list[jax.Device], tensor_parallel: int) -> list[j
     for count in range(1, len(varying) + 1):
         for dims in itertools.combinations(varying, count):
             if math.prod(sizes[d] for d in dims) == tensor_parallel:
-                order = [d for d in varying if d not in dims] + list(dims)
-                return sorted(row, key=lambda d: (slice_of(d), *(d.coords[k] for k in order), d.core_on_chip))
+                return _row_major(row, [d for d in varying if d not in dims] + list(dims))
     return row
+
+
+def _row_major(row: list[jax.Device], dims: Sequence[int]) -> list[jax.Device]:
+    """``row`` in row-major order over the torus coordinates ``dims`` (slowest first), slice by slice."""
+    return sorted(row, key=lambda d: (slice_of(d), *(d.coords[k] for k in dims), d.core_on_chip))
 
 
 def torus_rows(mesh: Mesh) -> Mesh:
@@ -148,7 +152,7 @@ def torus_rows(mesh: Mesh) -> Mesh:
     if first.platform != "tpu" or first.device_kind not in DECOMPOSING_KINDS or scatter_phases(mesh, ("fsdp",)):
         return mesh
     rows = mesh.devices.reshape(-1, mesh.shape["fsdp"])
-    grid = np.array([sorted(row, key=lambda d: (tuple(d.coords), d.core_on_chip)) for row in rows])
+    grid = np.array([_row_major(list(row), range(len(first.coords))) for row in rows])
     ordered = Mesh(grid.reshape(mesh.devices.shape), mesh.axis_names, axis_types=mesh.axis_types)
     return ordered if scatter_phases(ordered, ("fsdp",)) else mesh
 
