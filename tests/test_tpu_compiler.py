@@ -128,6 +128,12 @@ def test_v5p_decomposes_a_reduce_scatter_over_a_whole_slice_only():
 RING_2X2X2 = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0), (0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
 
 
+def _ring_mesh(shape, names, devices=None, **kwargs):
+    """``jax.make_mesh`` as jax 0.11+ lays a v5p 2x2x2 out (``RING_2X2X2``), simulated on jax 0.10."""
+    by_coords = {tuple(d.coords): d for d in _tpu("v5p:2x2x2")}
+    return jax.sharding.Mesh(np.array([by_coords[c] for c in RING_2X2X2]).reshape(shape), names, **kwargs)
+
+
 @pytest.mark.parametrize("replicate", [1, 2])
 def test_make_mesh_keeps_torus_phases_where_jax_lays_a_v5p_slice_out_as_a_ring(monkeypatch, replicate):
     """jax 0.11+ lays the chips of a v5p 2x2x2 out as a ring (``RING_2X2X2``; 0.10 row-major). Over the
@@ -135,25 +141,21 @@ def test_make_mesh_keeps_torus_phases_where_jax_lays_a_v5p_slice_out_as_a_ring(m
     reduced in torus phases and XLA:TPU would all-reduce each whole (jax 0.12.0.1, libtpu 0.0.50.1:
     twelve 2048-wide core units held 114.6 MiB of HBM temporaries at once, 27.0 in phases).
     ``js.make_mesh`` reorders each FSDP group row-major; jax's ring is simulated here on jax 0.10."""
-    by_coords = {tuple(d.coords): d for d in _tpu("v5p:2x2x2")}
-    ring = np.array([by_coords[c] for c in RING_2X2X2])
-
-    def ring_mesh(shape, names, devices=None, **kwargs):
-        return jax.sharding.Mesh(ring.reshape(shape), names, **kwargs)
-
-    monkeypatch.setattr(jax, "make_mesh", ring_mesh)
-    assert scatter_phases(ring_mesh((8,), ("fsdp",)), ("fsdp",)) == ()
-    mesh = js.make_mesh(replicate=replicate, devices=list(by_coords.values()))
+    ring = _ring_mesh((8,), ("fsdp",)).devices
+    monkeypatch.setattr(jax, "make_mesh", _ring_mesh)
+    assert scatter_phases(_ring_mesh((8,), ("fsdp",)), ("fsdp",)) == ()
+    mesh = js.make_mesh(replicate=replicate, devices=_tpu("v5p:2x2x2"))
     assert scatter_phases(mesh, ("fsdp",)) == ((2, 2, 2) if replicate == 1 else (2, 2))
-    assert sorted(mesh.devices.flat, key=id) == sorted(ring, key=id)  # the same chips, each FSDP group reordered
-    assert [sorted(map(id, row)) for row in mesh.devices.reshape(replicate, -1)] == \
-        [sorted(map(id, row)) for row in ring.reshape(replicate, -1)]
+    ids = np.vectorize(lambda d: d.id)
+    assert sorted(ids(mesh.devices).flat) == sorted(ids(ring).flat)  # the same chips, each FSDP group reordered
+    assert [sorted(row) for row in ids(mesh.devices).reshape(replicate, -1).tolist()] == \
+        [sorted(row) for row in ids(ring).reshape(replicate, -1).tolist()]
     with pytest.warns(UserWarning, match=r"8 devices of mesh axis 'fsdp' are not laid out row-major.*js.make_mesh"):
-        jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, ring_mesh((8,), ("fsdp",))))
+        jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, _ring_mesh((8,), ("fsdp",))))
     jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, mesh))  # row-major: no warning
     # Groups of part of a slice keep one native reduce-scatter in any order (the 1b demo model, HSDP
     # R=2 on jax 0.12's ring: reduce-scatters 3085.5 MiB/step, 1.01 of the phased step's): no warning.
-    jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, ring_mesh((2, 4), ("replicate", "fsdp"))))
+    jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((16, 16))}, _ring_mesh((2, 4), ("replicate", "fsdp"))))
 
 
 def _neighbours(group) -> bool:
@@ -193,11 +195,8 @@ def test_tensor_parallel_meshes_keep_tp_groups_on_neighbours_and_fsdp_groups_in_
     with pytest.raises(ValueError, match=r"`tensor_parallel=3` does not divide mesh axis 'fsdp' of size 8"):
         tensor_parallel_mesh(3, devices=_tpu("v5p:2x2x2"))
 
-    by_coords = {tuple(d.coords): d for d in _tpu("v5p:2x2x2")}
-    ring = np.array([by_coords[c] for c in RING_2X2X2])
-    monkeypatch.setattr(jax, "make_mesh", lambda shape, names, *a, devices=None, **k: jax.sharding.Mesh(
-        ring.reshape(shape), names, **k))
-    mesh = plan_mesh(8, 1, 2, pool=list(by_coords.values()))
+    monkeypatch.setattr(jax, "make_mesh", _ring_mesh)
+    mesh = plan_mesh(8, 1, 2, pool=_tpu("v5p:2x2x2"))
     assert scatter_phases(mesh, ("fsdp",)) == (2, 2)
     assert all(_neighbours(list(group)) for group in mesh.devices)
 
