@@ -25,9 +25,9 @@ from jax_behaviour import other_libtpu
 
 import jshard as js
 from benchmarks.memory_sweep import ASYNC_COLLECTIVE_FLAGS
-from jshard._sharding.mesh import slice_of, tensor_parallel_mesh
+from jshard._sharding.mesh import tensor_parallel_mesh
 from jshard._sharding.scatter_padding import scatter_sizes
-from jshard._sharding.torus import gather_phases, scatter_phases
+from jshard._sharding.torus import gather_phases, scatter_phases, slice_of
 from jshard.report import CompileTarget, Memory, PlanConfig, plan, scaling, step_collectives, step_report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -652,41 +652,50 @@ def test_scaling_on_a_tpu_target_plans_a_slice_of_its_generation_per_size():
         CompileTarget.parse("tpu:v6e-16").resized(12)
 
 
-def test_v5p_gathers_in_torus_phases_where_one_all_gather_would_be_an_all_reduce():
-    """[Note: torus phases]: XLA:TPU keeps one all-gather over 8 or 32 v5p chips native but makes
-    one over a 4x4x4 slice an all-reduce of a zero-filled full buffer; gathered one torus
-    dimension at a time it stays three native all-gathers, in less memory."""
+def test_v5p_gathers_in_two_phases_where_one_all_gather_would_be_an_all_reduce():
+    """[Note: torus phases]: XLA:TPU keeps one all-gather over 8 or 32 v5p chips, or over half of
+    an 8x8x8 (HSDP's group), native but makes one over every chip of a 4x4x4 slice an all-reduce
+    of a zero-filled full buffer; gathered along the fastest torus dimension, then over the
+    plane that shares its coordinate, it stays two native all-gathers, holding less than
+    three (one per dimension) would."""
 
-    def gather(topology, phases=None):
-        devices = _tpu(topology)
-        mesh = jax.make_mesh((len(devices),), ("fsdp",), devices=devices)
+    def gather(topology, phases=None, replicate=1):
+        mesh = js.make_mesh(devices=_tpu(topology), replicate=replicate)
         phases = gather_phases(mesh, ("fsdp",)) if phases is None else phases
         f = jax.shard_map(lambda w: jnp.tanh(js.collectives.all_gather(w, ("fsdp",), 0, phases=phases)).sum(0)[None],
                           mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
-        arg = jax.ShapeDtypeStruct((len(devices) * 64, 1024), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+        sharding = NamedSharding(mesh, P("fsdp"))
+        arg = jax.ShapeDtypeStruct((mesh.shape["fsdp"] * 64, 1024), jnp.float32, sharding=sharding)
         compiled = jax.jit(f).lower(arg).compile()
-        return phases, [c.kind for c in step_collectives(compiled.as_text())], compiled.memory_analysis()
+        collectives = step_collectives(compiled.as_text())
+        return phases, [(c.kind, c.group_size) for c in collectives], compiled.memory_analysis().temp_size_in_bytes
 
-    assert gather("v5p:2x2x2")[:2] == ((), ["all-gather"])
-    assert gather("v5p:2x4x4")[:2] == ((), ["all-gather"])
-    phases, kinds, phased = gather("v5p:4x4x4")
-    assert (phases, kinds) == ((4, 4, 4), ["all-gather"] * 3)
+    assert gather("v5p:2x2x2")[:2] == ((), [("all-gather", 8)])
+    assert gather("v5p:2x4x4")[:2] == ((), [("all-gather", 32)])
+    assert gather("v5p:8x8x8", replicate=2)[:2] == ((), [("all-gather", 256)])
+    phases, kinds, two = gather("v5p:4x4x4")
+    assert (phases, kinds) == ((16, 4), [("all-gather", 4), ("all-gather", 16)])
     _, one_kinds, one = gather("v5p:4x4x4", phases=())
-    assert one_kinds == ["all-reduce"]
-    full = 64 * 64 * 1024 * 4
-    assert one.temp_size_in_bytes >= 3 * full > 1.5 * full >= phased.temp_size_in_bytes
+    assert one_kinds == [("all-reduce", 64)]
+    _, three_kinds, three = gather("v5p:4x4x4", phases=(4, 4, 4))
+    assert three_kinds == [("all-gather", 4)] * 3
+    full = 64 * 64 * 1024 * 4  # 16 MiB: one 17.0 MiB, three 22.0, one all-gather made an all-reduce 48.0
+    assert one >= 3 * full > three > two + full / 4 > two > full
 
 
 def test_a_step_on_a_4x4x4_v5p_slice_gathers_natively_at_the_ring_bytes():
     """On v5p-128 every parameter collective runs along one torus ring (groups of 4) or over a
-    4x4 plane of it (an unrolled unit's first reduction phase: [Note: two phases]), none over
-    the slice as an all-reduce: all-gathers carry (N-1)/N of the parameters per gather, in bf16
+    4x4 plane of it (a gather's second phase, an unrolled unit's first reduction phase: [Note:
+    two phases]), none over the slice as an all-reduce: all-gathers carry (N-1)/N of the
+    parameters per gather, in bf16
     (forward, and backward's re-gather of the stacked layers), gradient reductions too, and
     what is all-reduced (small leaves' phases, the loss) is a few percent of it."""
     p = plan(_mlp_builder, target="tpu:v5p:4x4x4")
     blocks, head = 2 * 2 * 256 * 512 * 4, 256 * 128 * 4
     large = [c for c in p.report.collectives if c.bytes > 64]
-    assert {c.group_size for c in large if c.kind == "all-gather" or c.in_loop} == {4}
+    gathers = [c.group_size for c in large if c.kind == "all-gather"]
+    assert set(gathers) == {4, 16} and gathers.count(4) == gathers.count(16)  # two phases each
+    assert {c.group_size for c in large if c.in_loop and c.kind != "all-gather"} == {4}
     # the head's second phase, 16 rows over groups of 4, XLA:TPU all-reduces (a few KiB)
     assert [c.group_size for c in large if c.kind == "reduce-scatter" and not c.in_loop] == [16]
     ring = (blocks + head) * 63 / 64

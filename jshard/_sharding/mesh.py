@@ -14,7 +14,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jshard._sharding.policies import DataParallelMeshDims, FullyShardPolicy
-from jshard._sharding.torus import DECOMPOSING_KINDS, gather_phases, scatter_phases
+from jshard._sharding.torus import DECOMPOSING_KINDS, gather_phases, scatter_phases, slice_of, whole_slices
 
 
 def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -157,19 +157,6 @@ def torus_rows(mesh: Mesh) -> Mesh:
     return ordered if scatter_phases(ordered, ("fsdp",)) else mesh
 
 
-def _whole_slices(mesh: Mesh) -> bool:
-    """Whether each FSDP group of ``mesh`` is every device of its slice (or of the mesh): the groups
-    whose one reduce-scatter XLA:TPU makes an all-reduce ([Note: torus phases]); it keeps one over
-    part of a slice (HSDP's groups within a slice) native in any order."""
-    slices = len({slice_of(d) for d in mesh.devices.flat})
-    return mesh.shape["fsdp"] in (mesh.devices.size, mesh.devices.size // slices)
-
-
-def slice_of(device: jax.Device) -> int:
-    """The TPU slice a device belongs to (0 for devices without ``slice_index``)."""
-    return int(getattr(device, "slice_index", 0) or 0)
-
-
 def _multi_slice_mesh(devices: list[jax.Device], replicate: int, slices: int) -> Mesh:
     """``("replicate", "fsdp")`` with ``replicate`` across slices: FSDP never leaves a slice
     (``replicate=1``: one ``"fsdp"`` axis over every slice, in slice order)."""
@@ -261,7 +248,7 @@ def resolve_axes(mesh: Mesh, dims: DataParallelMeshDims | None) -> MeshAxes:
             f"`dp_mesh_dims`; name axes of this mesh, or build the mesh with js.make_mesh()."
         )
     phases = scatter_phases(mesh, dims.shard)
-    if (not phases and dims.shard == ("fsdp",) and names[-1] == "fsdp" and _whole_slices(mesh)
+    if (not phases and dims.shard == ("fsdp",) and names[-1] == "fsdp" and whole_slices(mesh, ("fsdp",))
             and torus_rows(mesh) is not mesh):
         warnings.warn(
             f"The {mesh.shape['fsdp']} devices of mesh axis 'fsdp' are not laid out row-major over the TPU "

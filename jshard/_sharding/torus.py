@@ -47,12 +47,15 @@ MiB on both compilers) and gained nothing on the 1b demo's scan (5618.4 against 
 2x2x2, 4328.2 against 4327.7 on a 4x4x8).
 
 All-gathers follow the same torus, with a different threshold: XLA:TPU keeps one native
-all-gather over 8 to 64 v5p chips (2x2x2, 2x4x4, 2x4x8, 8x8 planes) but turns one over
-devices spanning all three dimensions of a 4x4x4 slice or larger (v5p-128 and up) into an
-all-reduce of a zero-filled full-size buffer: twice the bytes and three full-size buffers
-(a 64 MiB gather held 192 MiB of temporaries on 4x4x4; 88 MiB in phases). There the step
-gathers in phases, fastest dimension first (:func:`gather_phases`); each phase is a native
-all-gather along one dimension and the bytes are a ring all-gather's.
+all-gather over 8 to 64 v5p chips (2x2x2, 2x4x4, 2x4x8, 8x8 planes) and over part of a slice
+in any order (HSDP's group of 256 chips of an 8x8x8), but turns one over every chip of a 4x4x4
+slice or larger (v5p-128 and up) into an all-reduce of a zero-filled full-size buffer: twice
+the bytes and three full-size buffers (a 16 MiB gather held 48 MiB of temporaries on 4x4x4).
+There the step gathers in two phases (:func:`gather_phases`): along the fastest torus
+dimension, then over the chips that share its coordinate (part of the slice, so native); the
+bytes are a ring all-gather's. Gathering one dimension at a time holds an extra intermediate:
+temporaries of that 16 MiB gather 22.0 MiB in three phases, 17.0 in two; 11.0 -> 8.5 of 8 MiB
+on a 4x4x8, 37.0 -> 32.5 of 32 MiB on an 8x8x8 (libtpu 0.0.42.1).
 """
 
 from __future__ import annotations
@@ -125,9 +128,9 @@ def _grid_order(coords: np.ndarray) -> tuple[tuple[int, int], ...] | None:
 
 
 def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
-    """Sizes of the per-dimension phases of an all-gather over ``shard_axes`` (slowest first),
-    or ``()`` where one all-gather is kept: only where the devices span all three torus
-    dimensions with four or more chips each (see [Note: torus phases]).
+    """Sizes of the phases of an all-gather over ``shard_axes`` (slowest first), or ``()`` where
+    one all-gather is kept: two phases only where the devices are every chip of their slice and
+    span all three torus dimensions with four or more chips each (see [Note: torus phases]).
 
     Example:
       >>> import jshard as js
@@ -136,7 +139,29 @@ def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
       ()
     """
     phases = scatter_phases(mesh, shard_axes)
-    return phases if len(phases) == 3 and min(phases) >= 4 else ()
+    if len(phases) != 3 or min(phases) < 4 or not whole_slices(mesh, shard_axes):
+        return ()
+    return _two_phases(phases)
+
+
+def whole_slices(mesh: Mesh, shard_axes: tuple[str, ...]) -> bool:
+    """Whether each group of devices over ``shard_axes`` is every device of its slice (or of the
+    mesh): the groups whose one reduce-scatter or all-gather XLA:TPU makes an all-reduce (see
+    [Note: torus phases]).
+
+    Example:
+      >>> import jshard as js
+      >>> from jshard._sharding.torus import whole_slices
+      >>> whole_slices(js.make_mesh(), ("fsdp",)), whole_slices(js.make_mesh(replicate=2), ("fsdp",))
+      (True, False)
+    """
+    slices = len({slice_of(d) for d in mesh.devices.flat})
+    return int(np.prod([mesh.shape[a] for a in shard_axes])) in (mesh.devices.size, mesh.devices.size // slices)
+
+
+def slice_of(device) -> int:
+    """The TPU slice a device belongs to (0 for devices without ``slice_index``)."""
+    return int(getattr(device, "slice_index", 0) or 0)
 
 
 def phase_groups(phases: tuple[int, ...], k: int) -> list[list[int]]:
@@ -179,4 +204,9 @@ def unit_phases(phases: tuple[int, ...], in_loop: bool) -> tuple[int, ...]:
       >>> unit_phases((2, 2, 2), False), unit_phases((2, 2, 2), True), unit_phases((4, 4), False)
       ((4, 2), (2, 2, 2), (4, 4))
     """
-    return phases if in_loop or len(phases) < 3 else (int(np.prod(phases[:-1])), phases[-1])
+    return phases if in_loop or len(phases) < 3 else _two_phases(phases)
+
+
+def _two_phases(phases: tuple[int, ...]) -> tuple[int, ...]:
+    """Every torus dimension but the fastest at once, then the fastest."""
+    return int(np.prod(phases[:-1])), phases[-1]
