@@ -14,7 +14,14 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jshard._sharding.policies import DataParallelMeshDims, FullyShardPolicy
-from jshard._sharding.torus import DECOMPOSING_KINDS, gather_phases, scatter_phases, slice_of, whole_slices
+from jshard._sharding.torus import (
+    DECOMPOSING_KINDS,
+    gather_phases,
+    scatter_phases,
+    slice_of,
+    varying_dims,
+    whole_slices,
+)
 
 
 def make_mesh(*, replicate: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -114,8 +121,8 @@ def _tensor_parallel_last(row: list[jax.Device], tensor_parallel: int) -> list[j
     if row[0].platform != "tpu":
         return row
     coords = np.array([d.coords for d in row])
-    varying = [d for d in range(coords.shape[1]) if len(set(coords[:, d])) > 1]
-    sizes = {d: len(set(coords[:, d])) for d in varying}
+    sizes = varying_dims(coords)
+    varying = list(sizes)
     for count in range(1, len(varying) + 1):
         for dims in itertools.combinations(varying, count):
             if math.prod(sizes[d] for d in dims) == tensor_parallel:

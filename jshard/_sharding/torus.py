@@ -115,8 +115,8 @@ def _planar_phases(mesh: Mesh, shard_axes: tuple[str, ...], coords: np.ndarray) 
 def _grid_order(coords: np.ndarray) -> tuple[tuple[int, int], ...] | None:
     """``((torus dim, size), ...)`` slowest first, if the devices' coordinates run row-major
     over the dimensions that vary (each taking ``size`` consecutive values); else ``None``."""
-    varying = [d for d in range(coords.shape[1]) if len(set(coords[:, d])) > 1]
-    sizes = {d: len(set(coords[:, d])) for d in varying}
+    sizes = varying_dims(coords)
+    varying = list(sizes)
     if int(np.prod(list(sizes.values()) or [1])) != len(coords):
         return None
     for perm in itertools.permutations(varying):
@@ -125,6 +125,19 @@ def _grid_order(coords: np.ndarray) -> tuple[tuple[int, int], ...] | None:
         if all(np.array_equal(coords[:, d], e) for d, e in zip(perm, expected, strict=True)):
             return tuple((d, sizes[d]) for d in perm)
     return None
+
+
+def varying_dims(coords: np.ndarray) -> dict[int, int]:
+    """``{torus dim: number of distinct coordinates}`` for the dimensions along which the devices
+    of ``coords`` (one row of coordinates per device) differ, in dimension order.
+
+    Example:
+      >>> import numpy as np
+      >>> from jshard._sharding.torus import varying_dims
+      >>> varying_dims(np.array([[0, 0, 0], [1, 0, 0], [0, 0, 1], [1, 0, 1]]))
+      {0: 2, 2: 2}
+    """
+    return {d: len(set(coords[:, d])) for d in range(coords.shape[1]) if len(set(coords[:, d])) > 1}
 
 
 def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
