@@ -679,12 +679,12 @@ def test_scaling_on_a_tpu_target_plans_a_slice_of_its_generation_per_size():
         CompileTarget.parse("tpu:v6e-16").resized(12)
 
 
-def test_v5p_gathers_in_two_phases_where_one_all_gather_would_be_an_all_reduce():
+def test_v5p_gathers_in_torus_phases_where_one_all_gather_would_be_an_all_reduce():
     """[Note: torus phases]: XLA:TPU keeps one all-gather over 8 or 32 v5p chips, or over half of
     an 8x8x8 (HSDP's group), native but makes one over every chip of a 4x4x4 slice an all-reduce
-    of a zero-filled full buffer; gathered along the fastest torus dimension, then over the
-    plane that shares its coordinate, it stays two native all-gathers, holding less than
-    three (one per dimension) would."""
+    of a zero-filled full buffer; gathered one torus dimension at a time it stays three native
+    all-gathers, in less memory. Over part of a slice the step keeps one all-gather (measured
+    16.0 MiB of temporaries against 18.5 in phases)."""
 
     def gather(topology, phases=None, replicate=1):
         mesh = js.make_mesh(devices=_tpu(topology), replicate=replicate)
@@ -699,30 +699,27 @@ def test_v5p_gathers_in_two_phases_where_one_all_gather_would_be_an_all_reduce()
 
     assert gather("v5p:2x2x2")[:2] == ((), [("all-gather", 8)])
     assert gather("v5p:2x4x4")[:2] == ((), [("all-gather", 32)])
-    assert gather("v5p:8x8x8", replicate=2)[:2] == ((), [("all-gather", 256)])
-    phases, kinds, two = gather("v5p:4x4x4")
-    assert (phases, kinds) == ((16, 4), [("all-gather", 4), ("all-gather", 16)])
+    _, kinds, one_native = gather("v5p:8x8x8", replicate=2)
+    _, _, phased_native = gather("v5p:8x8x8", phases=(8, 8, 4), replicate=2)
+    assert kinds == [("all-gather", 256)] and one_native < phased_native
+    phases, kinds, phased = gather("v5p:4x4x4")
+    assert (phases, kinds) == ((4, 4, 4), [("all-gather", 4)] * 3)
     _, one_kinds, one = gather("v5p:4x4x4", phases=())
     assert one_kinds == [("all-reduce", 64)]
-    _, three_kinds, three = gather("v5p:4x4x4", phases=(4, 4, 4))
-    assert three_kinds == [("all-gather", 4)] * 3
-    full = 64 * 64 * 1024 * 4  # 16 MiB: one 17.0 MiB, three 22.0, one all-gather made an all-reduce 48.0
-    assert one >= 3 * full > three > two + full / 4 > two > full
+    full = 64 * 64 * 1024 * 4  # 16 MiB: one 48.0 MiB of temporaries, in phases 22.0
+    assert one >= 3 * full > 1.5 * full >= phased
 
 
 def test_a_step_on_a_4x4x4_v5p_slice_gathers_natively_at_the_ring_bytes():
     """On v5p-128 every parameter collective runs along one torus ring (groups of 4) or over a
-    4x4 plane of it (a gather's second phase, an unrolled unit's first reduction phase: [Note:
-    two phases]), none over the slice as an all-reduce: all-gathers carry (N-1)/N of the
-    parameters per gather, in bf16
+    4x4 plane of it (an unrolled unit's first reduction phase: [Note: two phases]), none over
+    the slice as an all-reduce: all-gathers carry (N-1)/N of the parameters per gather, in bf16
     (forward, and backward's re-gather of the stacked layers), gradient reductions too, and
     what is all-reduced (small leaves' phases, the loss) is a few percent of it."""
     p = plan(_mlp_builder, target="tpu:v5p:4x4x4")
     blocks, head = 2 * 2 * 256 * 512 * 4, 256 * 128 * 4
     large = [c for c in p.report.collectives if c.bytes > 64]
-    gathers = [c.group_size for c in large if c.kind == "all-gather"]
-    assert set(gathers) == {4, 16} and gathers.count(4) == gathers.count(16)  # two phases each
-    assert {c.group_size for c in large if c.in_loop and c.kind != "all-gather"} == {4}
+    assert {c.group_size for c in large if c.kind == "all-gather" or c.in_loop} == {4}
     # the head's second phase, 16 rows over groups of 4, XLA:TPU all-reduces (a few KiB)
     assert [c.group_size for c in large if c.kind == "reduce-scatter" and not c.in_loop] == [16]
     ring = (blocks + head) * 63 / 64

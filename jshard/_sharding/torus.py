@@ -48,14 +48,21 @@ MiB on both compilers) and gained nothing on the 1b demo's scan (5618.4 against 
 
 All-gathers follow the same torus, with a different threshold: XLA:TPU keeps one native
 all-gather over 8 to 64 v5p chips (2x2x2, 2x4x4, 2x4x8, 8x8 planes) and over part of a slice
-in any order (HSDP's group of 256 chips of an 8x8x8), but turns one over every chip of a 4x4x4
-slice or larger (v5p-128 and up) into an all-reduce of a zero-filled full-size buffer: twice
-the bytes and three full-size buffers (a 16 MiB gather held 48 MiB of temporaries on 4x4x4).
-There the step gathers in two phases (:func:`gather_phases`): along the fastest torus
-dimension, then over the chips that share its coordinate (part of the slice, so native); the
-bytes are a ring all-gather's. Gathering one dimension at a time holds an extra intermediate:
-temporaries of that 16 MiB gather 22.0 MiB in three phases, 17.0 in two; 11.0 -> 8.5 of 8 MiB
-on a 4x4x8, 37.0 -> 32.5 of 32 MiB on an 8x8x8 (libtpu 0.0.42.1).
+in any order (HSDP's group of 256 chips of an 8x8x8: 16.0 MiB of temporaries for a 16 MiB
+gather, 18.5 gathered in phases), but turns one over every chip of a 4x4x4 slice or larger
+(v5p-128 and up) into an all-reduce of a zero-filled full-size buffer, whatever its size:
+twice the bytes and three full-size buffers (a 16 MiB gather held 48 MiB of temporaries on
+4x4x4). There the step gathers one torus dimension at a time, fastest first
+(:func:`gather_phases`; 22.0 MiB); each phase is a native all-gather and the bytes are a ring
+all-gather's. Two phases (the fastest dimension, then the plane sharing its coordinate) hold
+less alone (17.0 MiB), and the 1b demo model's peak fell by 64 MiB with them on a 4x4x4 and
+a 4x4x8, but XLA:TPU packed the Llama-3-8B NNX plan's temporaries worse around its
+embedding's and head's gathers: peak 5064.3 -> 6368.9 MiB on v5p-256, 6173.1 -> 7197.1 on a
+4x4x4, the same 3512.1 MiB occupied at its fullest (libtpu 0.0.42.1). So one per dimension.
+On 2-D tori (v5e, v6e) one all-gather stays native over 4x4 and 4x8 slices, and over 8x8,
+8x16 and 16x16 ones for large shards (1 MiB per chip, and 256 KiB on 16x16); XLA:TPU
+all-reduces small ones there (32 KiB per chip on 8x8 and 8x16, 64 KiB on 16x16), where the
+bytes are few, so gathers there are not phased.
 """
 
 from __future__ import annotations
@@ -141,9 +148,10 @@ def varying_dims(coords: np.ndarray) -> dict[int, int]:
 
 
 def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
-    """Sizes of the phases of an all-gather over ``shard_axes`` (slowest first), or ``()`` where
-    one all-gather is kept: two phases only where the devices are every chip of their slice and
-    span all three torus dimensions with four or more chips each (see [Note: torus phases]).
+    """Sizes of the per-dimension phases of an all-gather over ``shard_axes`` (slowest first), or
+    ``()`` where one all-gather is kept: phases only where the devices are every chip of their
+    slice and span all three torus dimensions with four or more chips each (see [Note: torus
+    phases]).
 
     Example:
       >>> import jshard as js
@@ -154,7 +162,7 @@ def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
     phases = scatter_phases(mesh, shard_axes)
     if len(phases) != 3 or min(phases) < 4 or not whole_slices(mesh, shard_axes):
         return ()
-    return _two_phases(phases)
+    return phases
 
 
 def whole_slices(mesh: Mesh, shard_axes: tuple[str, ...]) -> bool:
@@ -217,9 +225,4 @@ def unit_phases(phases: tuple[int, ...], in_loop: bool) -> tuple[int, ...]:
       >>> unit_phases((2, 2, 2), False), unit_phases((2, 2, 2), True), unit_phases((4, 4), False)
       ((4, 2), (2, 2, 2), (4, 4))
     """
-    return phases if in_loop or len(phases) < 3 else _two_phases(phases)
-
-
-def _two_phases(phases: tuple[int, ...]) -> tuple[int, ...]:
-    """Every torus dimension but the fastest at once, then the fastest."""
-    return int(np.prod(phases[:-1])), phases[-1]
+    return phases if in_loop or len(phases) < 3 else (int(np.prod(phases[:-1])), phases[-1])
