@@ -16,14 +16,18 @@ compiled for the sweep's target, with two hand-written ``shard_map`` FSDP traini
 differ only in the route: both gather each matrix right before its matmul (ordered after the
 previous layer), re-gather it in backward (ordered after the incoming cotangent), keep vectors
 whole and apply plain SGD, like ``memory_sweep --apply-sgd --replicate-below 4096``; ``weights``
-reduce-scatters the gradient in jshard's torus phases, ``activations`` computes it as above.
+reduce-scatters the gradient in jshard's torus phases, ``activations`` computes it as above, and
+``chunks`` forms and reduce-scatters it ``CHUNKS`` blocks of columns at a time, each block's
+matmul after the previous block's reduction (the weights route's bytes; no full gradient).
 Beside them it prints the best recipe and jshard of the sweep stored for the same target, flags
 and step (``benchmarks/results/memory_sweep_<target>[_async]_replicate_below_4096_sgd.json``)::
 
     python -m benchmarks.weight_gradient_route --target tpu:v5p:2x2x2 [--only "tanh unrolled"]
 
-It measures a route jshard does not take (its gradient reduction sees the full gradient, not
-the matmul that made it); docs/benchmarks.md, "Weight gradients from gathered activations".
+It measures routes jshard's default does not take (its gradient reduction sees the full gradient,
+not the matmul that made it; ``FullyShardPolicy(weight_gradients="from_activations")`` takes the
+activations route where it sends less); docs/benchmarks.md, "Weight gradients from gathered
+activations" and "Weight gradients reduced a block of columns at a time".
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from benchmarks import memory_sweep as S
 from jshard._sharding.torus import scatter_phases
 
 AXIS = "fsdp"
-ROUTES = ("weights", "activations")
+ROUTES = ("weights", "activations", "chunks")
+CHUNKS = 4  # column blocks of the chunks route
 
 
 def _ordered(value: Any, after: jax.Array) -> Any:
@@ -68,6 +73,8 @@ def _linear(route: str, phases: tuple[int, ...], dtype: Any):
         dx = dy @ gather(_ordered(w_shard, dy)).T
         if route == "weights":
             dw = js.collectives.reduce_scatter(x.T @ dy, (AXIS,), 0, phases)
+        elif route == "chunks":
+            dw = _reduced_in_chunks(x, dy, phases)
         else:
             columns = jax.lax.all_to_all(x, AXIS, split_axis=1, concat_axis=0, tiled=True)  # [n M, K / n]
             dw = columns.T @ jax.lax.all_gather(dy, AXIS, axis=0, tiled=True)  # [K / n, N]
@@ -75,6 +82,18 @@ def _linear(route: str, phases: tuple[int, ...], dtype: Any):
 
     linear.defvjp(fwd, bwd)
     return linear
+
+
+def _reduced_in_chunks(x: jax.Array, dy: jax.Array, phases: tuple[int, ...]) -> jax.Array:
+    """``x^T dy`` reduce-scattered ``CHUNKS`` blocks of columns at a time, each block's matmul
+    ordered after the previous block's reduction: the full gradient never exists at once."""
+    width, blocks, done = dy.shape[1], [], None
+    for j in range(CHUNKS):
+        columns = dy[:, j * width // CHUNKS : (j + 1) * width // CHUNKS]
+        columns = columns if done is None else _ordered(columns, done)
+        done = js.collectives.reduce_scatter(x.T @ columns, (AXIS,), 0, phases)
+        blocks.append(done)
+    return jnp.concatenate(blocks, axis=1)
 
 
 def _layer(m: S.Model, linear):
@@ -125,7 +144,7 @@ def step(m: S.Model, mesh: Any, route: str) -> tuple[Any, tuple[Any, ...]]:
 
 
 def measure(m: S.Model, mesh: Any) -> dict[str, Any]:
-    """Both routes' compiled figures (peak, matmul FLOPs, bytes sent by kind) for ``m``."""
+    """Each route's compiled figures (peak, matmul FLOPs, bytes sent by kind) for ``m``."""
     return {route: S.compiled_figures(*step(m, mesh, route)) for route in ROUTES}
 
 
@@ -149,15 +168,16 @@ def _stored(row: dict[str, Any] | None) -> dict[str, float]:
 def table(results: list[dict[str, Any]], with_stored: bool) -> str:
     mib = 2.0**20
     head = "| model | " + ("best recipe | jshard | " if with_stored else "") + \
-        "weights route | activations route | FLOPs activations / weights | sent MiB: weights / activations |"
+        "weights route | activations route | chunks route | FLOPs activations / weights | " \
+        "sent MiB: weights / activations / chunks |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        w, a = r["weights"], r["activations"]
+        w, a, c = r["weights"], r["activations"], r["chunks"]
         stored = [f"{r['stored'][k] / mib:.2f}" if k in r["stored"] else "-" for k in ("recipe", "jshard")]
-        sent = [sum(x["collective_bytes"].values()) / mib for x in (w, a)]
+        sent = " / ".join(f"{sum(x['collective_bytes'].values()) / mib:.2f}" for x in (w, a, c))
         lines.append(f"| {r['model']} | " + (" | ".join(stored) + " | " if with_stored else "")
-                     + f"{w['peak_bytes'] / mib:.2f} | {a['peak_bytes'] / mib:.2f} | "
-                     f"{a['flops'] / w['flops']:.2f} | {sent[0]:.2f} / {sent[1]:.2f} |")
+                     + f"{w['peak_bytes'] / mib:.2f} | {a['peak_bytes'] / mib:.2f} | {c['peak_bytes'] / mib:.2f} | "
+                     f"{a['flops'] / w['flops']:.2f} | {sent} |")
     return "\n".join(lines)
 
 

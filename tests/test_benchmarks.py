@@ -257,9 +257,11 @@ def test_sweep_training_steps_apply_sgd_alike_in_every_variant():
 @pytest.mark.parametrize("model", [("tanh", False, 2, 64, 16, False), ("gelu", True, 2, 64, 16, True)],
                          ids=["tanh unrolled fp32", "gelu stacked bf16"])
 def test_weight_gradient_routes_train_as_the_recipe(model):
-    """``benchmarks.weight_gradient_route``: both hand-written FSDP steps apply the recipe's SGD
-    step (the gradient formed from gathered activations is the reduced one), and the activations
-    route sends all-to-alls and all-gathers where the weights route reduce-scatters."""
+    """``benchmarks.weight_gradient_route``: the three hand-written FSDP steps apply the recipe's
+    SGD step (the gradient formed from gathered activations, or reduced a block of columns at a
+    time, is the reduced one); the activations route sends all-to-alls and all-gathers where the
+    weights route reduce-scatters, the chunks route the weights route's bytes in ``CHUNKS``
+    reduce-scatters per matrix."""
     from benchmarks import memory_sweep, weight_gradient_route
     from jshard.report import CompileTarget
 
@@ -285,4 +287,11 @@ def test_weight_gradient_routes_train_as_the_recipe(model):
     sent = {route: figures[route]["collective_bytes"] for route in weight_gradient_route.ROUTES}
     assert sent["weights"]["reduce-scatter"] > 0 and sent["weights"]["all-to-all"] == 0
     assert sent["activations"]["reduce-scatter"] == 0 and sent["activations"]["all-to-all"] > 0
-    assert figures["activations"]["flops"] == figures["weights"]["flops"]
+    assert sent["chunks"] == sent["weights"]  # the same reduce-scatters, a block of columns at a time
+    assert figures["activations"]["flops"] == figures["weights"]["flops"] == figures["chunks"]["flops"]
+
+    def scatters(route):
+        step, args = weight_gradient_route.step(m, mesh, route)
+        return step.lower(*args).as_text().count("stablehlo.reduce_scatter")
+
+    assert scatters("chunks") == weight_gradient_route.CHUNKS * scatters("weights") > 0
