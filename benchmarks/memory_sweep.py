@@ -333,7 +333,7 @@ def options_suffix(replicate_below: int, weight_gradients: str, backward_prefetc
       '_replicate_below_4096_from_activations_sgd'
     """
     return ((f"_replicate_below_{replicate_below}" if replicate_below else "")
-            + ("_from_activations" if weight_gradients == "from_activations" else "")
+            + ("" if weight_gradients == "reduced" else f"_{weight_gradients}")
             + ("" if backward_prefetch else "_no_backward_prefetch") + ("_sgd" if apply_sgd else ""))
 
 

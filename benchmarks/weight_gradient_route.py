@@ -27,7 +27,7 @@ and step (``benchmarks/results/memory_sweep_<target>[_async]_replicate_below_409
 It measures routes jshard's default does not take (its gradient reduction sees the full gradient,
 not the matmul that made it; ``FullyShardPolicy(weight_gradients="from_activations")`` takes the
 activations route where it sends less); docs/benchmarks.md, "Weight gradients from gathered
-activations" and "Weight gradients reduced a block of columns at a time".
+activations" and "Weight gradients reduced a block at a time".
 """
 
 from __future__ import annotations

@@ -209,10 +209,11 @@ def test_recomputed_block_routed_whole_or_not_at_all_looks_inside_nested_calls()
 
 
 def test_policy_errors():
-    with pytest.raises(ValueError, match=r"`weight_gradients` must be one of \('reduced', 'from_activations'\)"):
+    with pytest.raises(ValueError, match=r"must be one of \('reduced', 'from_activations', 'in_blocks'\)"):
         js.FullyShardPolicy(weight_gradients="activations")
-    with pytest.raises(ValueError, match="cannot share the unit's flat buffer: set `unit_collectives=False`"):
-        js.FullyShardPolicy(weight_gradients="from_activations", unit_collectives=True)
+    for route in ("from_activations", "in_blocks"):
+        with pytest.raises(ValueError, match=rf"`weight_gradients='{route}'` .* set `unit_collectives=False`"):
+            js.FullyShardPolicy(weight_gradients=route, unit_collectives=True)
 
 
 class _MLP(nnx.Module):
@@ -295,9 +296,9 @@ def _stacked_init(layers=3, kind="gelu"):
     return {"stack": stack, "head": {"w": jnp.asarray(rng.normal(size=(64, 8)) / 8, jnp.float32)}}
 
 
-def _stacked_units(init, mesh):
-    return js.fully_shard({"stack": js.fully_shard(init["stack"], mesh, dataclasses.replace(ROUTED, scan_axis=0)),
-                           "head": init["head"]}, mesh, ROUTED)
+def _stacked_units(init, mesh, policy=ROUTED):
+    return js.fully_shard({"stack": js.fully_shard(init["stack"], mesh, dataclasses.replace(policy, scan_axis=0)),
+                           "head": init["head"]}, mesh, policy)
 
 
 def _train_loss(loss_fn, params, grad_fn):
@@ -449,3 +450,55 @@ def test_linen_nn_scan_layers_routed_inside_the_loop():
     losses, params, text = _train_linen(model, jlinen.shard_params(model, init, x), jlinen.value_and_grad)
     _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
     assert _ops(text)["all_to_all"] == 2
+
+
+BLOCKED = js.FullyShardPolicy(weight_gradients="in_blocks")
+
+
+@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
+def test_parity_with_the_gradients_reduced_in_blocks(reference, replicate):
+    """``weight_gradients="in_blocks"``: the unsharded reference's losses and parameters, each
+    matrix's gradient formed and reduce-scattered in 4 blocks of its unsharded dim (l1's, sharded
+    on its outputs, of its inputs), the bias's and the head's whole; nothing exchanged."""
+    blocked = _train(BLOCKED, js.make_mesh(replicate=replicate))
+    _assert_close(blocked, reference, 1e-5)
+    assert _ops(blocked[2]) == {"all_to_all": 0, "reduce_scatter": 3 * 4 + 2}
+
+
+@pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
+def test_stacked_layers_reduce_their_gradients_in_blocks(recomputed):
+    """GELU blocks stacked under ``js.scan`` with ``weight_gradients="in_blocks"``: each layer's two
+    matrices' gradients are reduce-scattered in 4 blocks in the loop body (the head's whole), and
+    training follows ``lax.scan`` with its matmul FLOPs. Recomputed (``nothing_saveable``, against
+    ``jax.checkpoint(layer)`` with the same policy) a layer keeps the reduced route: the block
+    route's backward would gather each matrix a third time ([Note: weight gradient blocks])."""
+    policy = jax.checkpoint_policies.nothing_saveable if recomputed else None
+    init = _stacked_init()
+
+    def reference(f):
+        layer = jax.checkpoint(_layer, policy=policy) if recomputed else _layer
+
+        def loss(p, batch):
+            h, _ = jax.lax.scan(layer, batch["x"], p["stack"])
+            return jnp.mean((h @ p["head"]["w"] - batch["y"]) ** 2)
+        return jax.value_and_grad(loss)
+
+    ref = _train_stacked(init, reference)
+    grad = lambda f: js.value_and_grad(f, unshard_params=False, remat_policy=policy)  # noqa: E731
+    losses, params, text = _train_stacked(_stacked_units(init, js.make_mesh(), BLOCKED), grad)
+    _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
+    assert _ops(text) == {"all_to_all": 0, "reduce_scatter": 2 * (1 if recomputed else 4) + 1}
+    batch = _batches()[0]
+    ours = jax.jit(grad(_stacked_loss)).lower(_stacked_units(init, js.make_mesh(), BLOCKED), batch)
+    assert 8 * _flops(ours) == _flops(jax.jit(reference(_stacked_loss)).lower(init, batch))
+
+
+def test_gradients_reduced_in_blocks_in_reduce_dtype():
+    """bf16 parameters, float32 reduction, HSDP: every block is reduce-scattered in float32, and
+    training follows the same policy with every gradient reduced whole."""
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    mesh = js.make_mesh(replicate=2)
+    blocked = _train(dataclasses.replace(BLOCKED, mp_policy=mp), mesh)
+    reduced = _train(js.FullyShardPolicy(mp_policy=mp), mesh)
+    _assert_close(blocked, reduced, 2e-3)
+    assert collective_dtypes(blocked[2])["reduce-scatter"] == {"float32"}

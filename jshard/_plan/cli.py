@@ -22,7 +22,7 @@ from jshard._sharding.policies import WEIGHT_GRADIENTS
 DEMO = "jshard.demo.plan:build_{size}"
 _SIZES = ("tiny", "small", "medium", "1b")
 _CHOICE = {"both": (True, False), "true": (True,), "false": (False,)}
-_ROUTES = {"both": WEIGHT_GRADIENTS, **{route: (route,) for route in WEIGHT_GRADIENTS}}
+_ROUTES = {"both": ("reduced", "from_activations"), **{route: (route,) for route in WEIGHT_GRADIENTS}}
 
 
 def _ints(text: str, least: int = 1) -> list[int]:
@@ -69,8 +69,9 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicate-below", type=int, default=0, metavar="N",
                         help="keep leaves under N elements whole on every device (default 0: shard every leaf)")
     parser.add_argument("--weight-gradients", choices=WEIGHT_GRADIENTS, default="reduced",
-                        help="reduced (FSDP2's, default) or from_activations: matmuls of a unit's matrix on "
-                             "the shard, activations exchanged, where that sends less")
+                        help="reduced (FSDP2's, default), from_activations (matmuls of a unit's matrix on "
+                             "the shard, activations exchanged, where that sends less) or in_blocks (its "
+                             "gradient formed and reduce-scattered a block at a time)")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # a PlanConfig as JSON (planning subprocesses)
 
 
@@ -104,7 +105,8 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--replicate-below", type=_counts, default=[0], metavar="N[,N...]",
                         help="replicate_below values to try, e.g. 0,4096 (default 0: every leaf sharded)")
     search.add_argument("--weight-gradients", choices=sorted(_ROUTES), default="reduced",
-                        help="reduced (default), from_activations, or both (each a setting of its own)")
+                        help="reduced (default), from_activations, in_blocks, or both (reduced and "
+                             "from_activations, each a setting of its own)")
     search.add_argument("--full", action="store_true",
                         help="compile the whole grid (default: a first answer, pruned from what was compiled)")
     search.add_argument("--hardware-json", help=argparse.SUPPRESS)

@@ -53,7 +53,7 @@ from jshard._plan.planner import Plan
 from jshard._plan.target import PlanConfig
 
 _REMAT_KEEPS = {"full": 0, "dots": 1, "default": 2}  # how much a remat policy keeps for backward, in order
-_ROUTE_ORDER = {"reduced": 0, "from_activations": 1}  # a routed plan's reduced twin compiled first
+_ROUTE_ORDER = {"reduced": 0, "from_activations": 1, "in_blocks": 2}  # a routed plan's reduced twin first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def _twin_fits_at(configs: list[PlanConfig], rows: list[FrontierRow]) -> int | N
     """For a setting with weight gradients from activations: the largest of its batches at which its
     reduced twin was compiled and fits (compiled there first: if nothing is routed, the setting is its
     twin from there on, and its smaller batches are no faster per sample)."""
-    if configs[0].weight_gradients == "reduced":
+    if configs[0].weight_gradients != "from_activations":
         return None
     fitting = {r.plan.config for r in rows if r.fits}
     return max((i for i, c in enumerate(configs) if _reduced_twin(c) in fitting), default=None)
@@ -199,7 +199,7 @@ def _routes_nothing(row: FrontierRow, rows: list[FrontierRow]) -> bool:
     """Whether ``row`` forms weight gradients from activations and its plan sends, by collective kind,
     exactly what its reduced twin's (compiled before it) sends: the step routed no matmul."""
     config = row.plan.config
-    if config.weight_gradients == "reduced":
+    if config.weight_gradients != "from_activations":  # in blocks: the reduced bytes, every matmul rewritten
         return False
     reduced = next((r for r in rows if r.plan.config == _reduced_twin(config)), None)
     return reduced is not None and reduced.plan.report.collective_bytes == row.plan.report.collective_bytes

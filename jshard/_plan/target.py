@@ -43,9 +43,10 @@ class PlanConfig:
         leaf. On XLA:TPU the training step's peak is lower with vectors whole in most models
         (docs/planning.md); plan both.
       weight_gradients: ``FullyShardPolicy(weight_gradients=...)`` for the units:
-        ``"reduced"`` (FSDP2's) or ``"from_activations"`` (a matmul of a unit's matrix run on the
+        ``"reduced"`` (FSDP2's), ``"from_activations"`` (a matmul of a unit's matrix run on the
         shard with its activations exchanged where that sends less: small global batches;
-        docs/planning.md); plan both.
+        docs/planning.md; plan both) or ``"in_blocks"`` (its gradient formed and reduce-scattered
+        a block at a time).
 
     Example:
       >>> from jshard.report import PlanConfig
@@ -92,7 +93,8 @@ class PlanConfig:
                 + ("bf16/fp32" if self.mixed_precision else "fp32") + ", "
                 + ("offload" if self.offload else "on device")
                 + (f", leaves under {self.replicate_below} whole" if self.replicate_below else "")
-                + (", weight gradients from activations" if self.weight_gradients == "from_activations" else ""))
+                + {"reduced": "", "from_activations": ", weight gradients from activations",
+                   "in_blocks": ", weight gradients in blocks"}[self.weight_gradients])
 
 
 def abstract_result(fn: Callable[..., Any], *args: Any) -> Any:

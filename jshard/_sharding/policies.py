@@ -208,7 +208,7 @@ class DataParallelMeshDims:
         object.__setattr__(self, "replicate", replicate)
 
 
-WEIGHT_GRADIENTS = ("reduced", "from_activations")
+WEIGHT_GRADIENTS = ("reduced", "from_activations", "in_blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +266,11 @@ class FullyShardPolicy:
         ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md, "Weight gradients
         from gathered activations"). Under a ``remat_policy`` each recomputed layer (a stacked
         layer, an unrolled unit) is routed whole or not at all. Other uses keep the gather and the reduction.
+        ``"in_blocks"``: the same matrices' matmuls keep the gather (forward, and again in
+        backward for ``dx``) but form the weight gradient a block at a time along the matrix's
+        unsharded dim (4 where they divide it), each block reduce-scattered before the next is
+        formed: the whole gradient never exists, at the reduction's bytes and FLOPs
+        (docs/benchmarks.md, "Weight gradients reduced a block at a time").
 
     Example:
       >>> import jshard as js
@@ -317,8 +322,8 @@ class FullyShardPolicy:
             )
         if self.weight_gradients not in WEIGHT_GRADIENTS:
             raise ValueError(f"`weight_gradients` must be one of {WEIGHT_GRADIENTS}, got {self.weight_gradients!r}.")
-        if self.weight_gradients == "from_activations" and self.unit_collectives:
-            raise ValueError("`weight_gradients='from_activations'` forms each matrix's gradient in its own "
+        if self.weight_gradients != "reduced" and self.unit_collectives:
+            raise ValueError(f"`weight_gradients={self.weight_gradients!r}` forms each matrix's gradient in its own "
                              "collectives; it cannot share the unit's flat buffer: set `unit_collectives=False`.")
         factor = self.gradient_divide_factor
         if factor is not None and (isinstance(factor, bool) or not factor > 0):

@@ -62,12 +62,13 @@ class LeafComm:
 
     @property
     def routable(self) -> bool:
-        """Whether the matmuls that read this leaf gathered may form its gradient from gathered
-        activations (``FullyShardPolicy(weight_gradients="from_activations")``; [Note: weight
-        gradient route] in ``weight_route.py``): a matrix sharded whole on one of its two dims,
-        without padding, model axes, offload or custom collectives, freed after forward."""
+        """Whether the matmuls that read this leaf gathered may form its gradient their own way
+        (``FullyShardPolicy(weight_gradients=...)``: from gathered activations, [Note: weight
+        gradient route] in ``weight_route.py``, or in blocks, [Note: weight gradient blocks] in
+        ``block_route.py``): a matrix sharded whole on one of its two dims, without padding,
+        model axes, offload or custom collectives, freed after forward."""
         layout, policy = self.layout, self.policy
-        return (policy.weight_gradients == "from_activations" and len(layout.shape) == 2 and layout.sharded
+        return (policy.weight_gradients != "reduced" and len(layout.shape) == 2 and layout.sharded
                 and layout.padded == layout.shape[layout.dim] and not self.axes.model and not self.offloaded
                 and policy.custom_all_gather is None and policy.custom_reduce_scatter is None)
 

@@ -59,6 +59,7 @@ from jax.extend import core as jcore
 
 from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._step import collectives as C
+from jshard._step.block_route import block_count, blocked_matmul
 from jshard._step.gather import LeafComm, reduce_summed
 from jshard._step.remat import (
     REMAT_POLICY,
@@ -148,6 +149,8 @@ def route_whole(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
       >>> route_whole(closed.jaxpr) is closed.jaxpr  # nothing marked
       True
     """
+    if _marks_blocks(jaxpr):  # its blocks' backward would gather a third time ([Note: weight gradient blocks])
+        return jaxpr
     routed = _routed_jaxpr(jaxpr, here=True)
     return jaxpr if _still_gathers(routed) else routed
 
@@ -209,6 +212,12 @@ def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
                for eqn in jaxpr.eqns)
 
 
+def _marks_blocks(jaxpr: jcore.Jaxpr) -> bool:
+    """Whether ``jaxpr`` (or a jaxpr nested in it) marks a matrix whose gradient is reduced in blocks."""
+    return any((eqn.primitive is routable_p and eqn.params["comm"].policy.weight_gradients == "in_blocks")
+               or any(_marks_blocks(j) for j in sub_jaxprs(eqn)) for eqn in jaxpr.eqns)
+
+
 # The nested jaxprs of the equations routed inside, by parameter.
 _NESTED = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",), "jit": ("jaxpr",),
            "pjit": ("jaxpr",), "closed_call": ("call_jaxpr",)}
@@ -223,11 +232,16 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     if mark is None or mark.primitive is not routable_p:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
-    if not sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
-                      comm.axes.shard_size):
+    if comm.policy.weight_gradients == "in_blocks":  # [Note: weight gradient blocks]
+        if block_count(comm, eqn.invars[1].aval.shape) == 1:
+            return eqn
+        matmul = blocked_matmul
+    elif sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
+                    comm.axes.shard_size):
+        matmul = routed_matmul
+    else:
         return eqn
-    fn = functools.partial(routed_matmul, comm, eqn.params["precision"],
-                           eqn.params["preferred_element_type"])
+    fn = functools.partial(matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
     traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (x, shard)))
     (call,) = traced.jaxpr.eqns
     if traced.jaxpr.constvars or traced.consts:
