@@ -70,6 +70,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -144,7 +145,8 @@ def varying_dims(coords: np.ndarray) -> dict[int, int]:
       >>> varying_dims(np.array([[0, 0, 0], [1, 0, 0], [0, 0, 1], [1, 0, 1]]))
       {0: 2, 2: 2}
     """
-    return {d: len(set(coords[:, d])) for d in range(coords.shape[1]) if len(set(coords[:, d])) > 1}
+    counts = {d: len(set(coords[:, d])) for d in range(coords.shape[1])}
+    return {d: n for d, n in counts.items() if n > 1}
 
 
 def gather_phases(mesh: Mesh, shard_axes: tuple[str, ...]) -> tuple[int, ...]:
@@ -180,7 +182,7 @@ def whole_slices(mesh: Mesh, shard_axes: tuple[str, ...]) -> bool:
     return int(np.prod([mesh.shape[a] for a in shard_axes])) in (mesh.devices.size, mesh.devices.size // slices)
 
 
-def slice_of(device) -> int:
+def slice_of(device: jax.Device) -> int:
     """The TPU slice a device belongs to (0 for devices without ``slice_index``)."""
     return int(getattr(device, "slice_index", 0) or 0)
 

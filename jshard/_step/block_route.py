@@ -34,7 +34,7 @@ from jshard._sharding.compiler_probe import compiled_scatter
 from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._sharding.torus import phase_groups
 from jshard._step import collectives as C
-from jshard._step.gather import LeafComm, reduce_summed
+from jshard._step.gather import LeafComm, reduce_summed, scatter_native
 
 BLOCKS = 4  # blocks of the unsharded dim, where it divides and XLA keeps them native (else 2)
 # Smaller blocks XLA:TPU all-reduced in a step though one alone compiled to a reduce-scatter (a
@@ -80,7 +80,7 @@ blocked_matmul.defvjp(_fwd, _bwd)
 def _reduced_in_blocks(comm: LeafComm, rows: jax.Array, rows_dy: jax.Array) -> jax.Array:
     """This device's shard of ``rows^T rows_dy`` summed over the shard axes, formed and
     reduce-scattered a block of the matrix's unsharded dim at a time, in ``reduce_dtype``."""
-    dim, axes = comm.layout.dim, comm.axes
+    dim = comm.layout.dim
     size = (rows.shape[1], rows_dy.shape[1])[1 - dim]
     count = block_count(comm, (rows.shape[1], rows_dy.shape[1]))
     blocks, done = [], None
@@ -89,10 +89,7 @@ def _reduced_in_blocks(comm: LeafComm, rows: jax.Array, rows_dy: jax.Array) -> j
         a, b = (rows, rows_dy[:, part]) if dim == 0 else (rows[:, part], rows_dy)
         if done is not None:  # this block's matmul after the last block's reduction
             a, b = (a, _ordered(b, done)) if dim == 0 else (_ordered(a, done), b)
-        g = _dot(a, b, ((0,), (0,))).astype(comm.reduce_dtype)
-        phases, sizes = phases_and_sizes(axes.tpu_mesh, axes.shard, comm.scatter_phases, axes.scatter_phases,
-                                         g.shape, g.dtype, dim)
-        done = C.reduce_scatter(g, axes.shard, dim, phases, sizes)
+        done = scatter_native(comm, _dot(a, b, ((0,), (0,))).astype(comm.reduce_dtype), dim)
         blocks.append(done)
     return jnp.concatenate(blocks, axis=1 - dim)
 

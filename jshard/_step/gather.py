@@ -133,9 +133,16 @@ def _over_shard_axes(comm: LeafComm, g: jax.Array) -> jax.Array:
     piece = model_piece(pad(g, layout), layout, comm.axes)
     if policy.custom_reduce_scatter is not None:
         return policy.custom_reduce_scatter(piece, comm.axes.shard, layout.dim)
+    return scatter_native(comm, piece, layout.dim)
+
+
+def scatter_native(comm: LeafComm, g: jax.Array, dim: int) -> jax.Array:
+    """``g`` summed over the leaf's shard axes, this device's chunk of ``dim`` kept: in the leaf's
+    torus phases at the sizes XLA:TPU scatters natively ([Note: scatter padding]; a gradient, a
+    block of one, or a routed matmul's partial sums)."""
     phases, sizes = phases_and_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases,
-                                     comm.axes.scatter_phases, piece.shape, piece.dtype, layout.dim)
-    return C.reduce_scatter(piece, comm.axes.shard, layout.dim, phases, sizes)
+                                     comm.axes.scatter_phases, g.shape, g.dtype, dim)
+    return C.reduce_scatter(g, comm.axes.shard, dim, phases, sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

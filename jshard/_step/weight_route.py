@@ -57,10 +57,9 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._step import collectives as C
 from jshard._step.block_route import block_count, blocked_matmul
-from jshard._step.gather import LeafComm, reduce_summed
+from jshard._step.gather import LeafComm, reduce_summed, scatter_native
 from jshard._step.remat import (
     REMAT_POLICY,
     checkpoint_primitive,
@@ -85,7 +84,7 @@ def _fwd(comm, precision, preferred, x, shard):
     axes, rows, w = comm.axes.shard, x.reshape(-1, x.shape[-1]), shard.astype(comm.param_dtype)
     if comm.layout.dim == 0:  # this device's inputs of every device's rows, times the shard: partial sums
         x_cols = jax.lax.all_to_all(rows, axes, split_axis=1, concat_axis=0, tiled=True)
-        y = _scatter_rows(comm, _dot(x_cols, w, ((1,), (0,)), precision, preferred))
+        y = scatter_native(comm, _dot(x_cols, w, ((1,), (0,)), precision, preferred), 0)  # partial sums
         saved = x_cols
     else:  # every device's rows times the shard: this device's outputs of every row
         x_all = C.all_gather(rows, axes, 0, phases=comm.axes.gather_phases)
@@ -105,21 +104,12 @@ def _bwd(comm, precision, preferred, residuals, dy):
     else:
         x_ex = C.all_gather(saved.reshape(-1, saved.shape[-1]), axes, 0, phases=comm.axes.gather_phases)
         dy_ex = jax.lax.all_to_all(rows_dy, axes, split_axis=1, concat_axis=0, tiled=True)
-        dx = _scatter_rows(comm, _dot(dy_ex, w, ((1,), (1,)), precision, preferred))
+        dx = scatter_native(comm, _dot(dy_ex, w, ((1,), (1,)), precision, preferred), 0)
     gradient = _dot(x_ex, dy_ex, ((0,), (0,))).astype(w.dtype)
     return dx.reshape(dy.shape[:-1] + dx.shape[-1:]).astype(saved.dtype), reduce_summed(comm, gradient)
 
 
 routed_matmul.defvjp(_fwd, _bwd)
-
-
-def _scatter_rows(comm: LeafComm, partial: jax.Array) -> jax.Array:
-    """``partial``'s rows summed over the shard axes, this device's kept: in the unit's phases at
-    the sizes XLA:TPU scatters natively, as a gradient's ([Note: scatter padding]; unpadded, a
-    ``[1024, 4096]`` float32 one's first phase on a v5p 2x2x2 is an all-reduce)."""
-    phases, sizes = phases_and_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases,
-                                     comm.axes.scatter_phases, partial.shape, partial.dtype, 0)
-    return C.reduce_scatter(partial, comm.axes.shard, 0, phases, sizes)
 
 
 def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcore.ClosedJaxpr:
@@ -208,14 +198,18 @@ def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
     """Whether ``jaxpr`` (or a jaxpr nested in it) still reads a marked matrix gathered: a mark the
     route left live (a use that is not ``x @ w``, one that sends less gathered, or one in a
     custom derivative)."""
-    return any(eqn.primitive is routable_p or any(_still_gathers(j) for j in sub_jaxprs(eqn))
-               for eqn in jaxpr.eqns)
+    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p)
 
 
 def _marks_blocks(jaxpr: jcore.Jaxpr) -> bool:
     """Whether ``jaxpr`` (or a jaxpr nested in it) marks a matrix whose gradient is reduced in blocks."""
-    return any((eqn.primitive is routable_p and eqn.params["comm"].policy.weight_gradients == "in_blocks")
-               or any(_marks_blocks(j) for j in sub_jaxprs(eqn)) for eqn in jaxpr.eqns)
+    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p
+                  and eqn.params["comm"].policy.weight_gradients == "in_blocks")
+
+
+def _finds(jaxpr: jcore.Jaxpr, found: Any) -> bool:
+    """Whether ``found`` holds for an equation of ``jaxpr`` or of a jaxpr nested in it."""
+    return any(found(eqn) or any(_finds(j, found) for j in sub_jaxprs(eqn)) for eqn in jaxpr.eqns)
 
 
 # The nested jaxprs of the equations routed inside, by parameter.
