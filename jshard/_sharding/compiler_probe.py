@@ -20,9 +20,10 @@ _SHAPE = re.compile(r"=\s*\(?\w+\[([\d,]*)\]")
 def compiled_scatter(mesh: Mesh, axes: tuple[str, ...], groups: tuple[tuple[int, ...], ...] | None,
                      shape: tuple[int, ...], dtype: str, dim: int) -> tuple[str, int | None]:
     """What XLA compiles a tiled reduce-scatter of ``shape`` over ``axes`` (within ``groups`` of
-    indices over them) to on ``mesh``'s devices: ``("reduce-scatter", None)`` where it stays
-    one, else ``("all-reduce", size)`` with the size of ``dim`` in the all-reduce it made of it
-    (``None`` if other dims changed too). Cached; compiled in a thread of its own.
+    indices over them; ``dim`` most major, as jshard hands them over) to on ``mesh``'s devices:
+    ``("reduce-scatter", None)`` where it stays one, else ``("all-reduce", size)`` with the size
+    of ``dim`` in the all-reduce it made of it (``None`` if other dims changed too). Cached;
+    compiled in a thread of its own.
 
     Example:
       >>> import jax
@@ -35,9 +36,12 @@ def compiled_scatter(mesh: Mesh, axes: tuple[str, ...], groups: tuple[tuple[int,
 
 
 def _compile(mesh, axes, groups, shape, dtype, dim) -> tuple[str, int | None]:
+    from jshard._step.collectives import dim_major  # collectives import torus, which imports this module
+
     def scatter(g):
         index_groups = None if groups is None else [list(group) for group in groups]
-        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=index_groups)
+        return jax.lax.psum_scatter(dim_major(g, dim), axes, scatter_dimension=dim, tiled=True,
+                                    axis_index_groups=index_groups)
 
     f = jax.shard_map(scatter, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(axes), check_vma=False)
     text = jax.jit(f).lower(jax.ShapeDtypeStruct(shape, np.dtype(dtype))).compile().as_text()

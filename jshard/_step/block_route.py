@@ -9,14 +9,14 @@ gradient ``BLOCKS`` blocks at a time along the matrix's unsharded dim and reduce
 block (the gradients' rule: torus phases and XLA:TPU's native sizes) before the next block's
 matmul runs, so the whole gradient never exists; bytes and FLOPs are the reduction's. Forward
 gathers the shard and multiplies; backward gathers it again for ``dx`` (the gathered matrix is
-not kept between them). Two limits, measured on the v5p 2x2x2 training-step sweep: a matrix
-whose blocks XLA:TPU would all-reduce (small ones, a latency choice: a transformer's 256 x 64
-float32 blocks) keeps the reduced route (:func:`block_count`), and so does every matrix of a
-recomputed piece (a layer or segment under a ``remat_policy``), where the recomputed forward's
-gather, then the block route's own in backward, would gather it three times a step: 1.5x the
-analytic bytes (``weight_route.route_whole``). Left open: in the sweep's unrolled 8x256
-transformer XLA:TPU all-reduces the blocked gradients (28.22 MiB a step where the reduced route
-sends 0.22) though each block alone stays a reduce-scatter. Measured by hand first:
+not kept between them). Each block's matmul waits for the previous block's reduction through
+``remat.depend`` (an ``optimization_barrier`` there pinned buffers: tanh unrolled 8x1536 kept
+bf16 peaked at 25.79 MiB, 18.29 with ``depend``). Two limits, measured on the v5p 2x2x2
+training-step sweep: a matrix whose blocks would be under ``MIN_TPU_BLOCK`` keeps the reduced
+route (:func:`block_count`), and so does every matrix of a recomputed piece (a layer or segment
+under a ``remat_policy``), where the recomputed forward's gather, then the block route's own in
+backward, would gather it three times a step: 1.5x the analytic bytes
+(``weight_route.route_whole``). Measured by hand first:
 ``benchmarks/weight_gradient_route.py``'s ``chunks`` route, docs/benchmarks.md "Weight gradients
 reduced a block at a time".
 """
@@ -35,10 +35,11 @@ from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._sharding.torus import phase_groups
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm, reduce_summed, scatter_native
+from jshard._step.remat import depend
 
 BLOCKS = 4  # blocks of the unsharded dim, where it divides and XLA keeps them native (else 2)
-# Smaller blocks XLA:TPU all-reduced in a step though one alone compiled to a reduce-scatter (a
-# transformer's [256, 64] and [128, 32] float32 blocks, v5p 2x2x2); [512, 128] ones stayed native.
+# Smaller blocks save little and add their matrix's re-gather: blocking a transformer's [256, 256]
+# float32 matrices too ([256, 64] blocks) raised the sweep's unrolled 8x256 peak 80.85 -> 82.88 MiB.
 MIN_TPU_BLOCK = 256 << 10
 
 
@@ -59,7 +60,7 @@ def _dot(a, b, contract, precision=None, preferred=None):
 
 
 def _ordered(value: jax.Array, after: jax.Array) -> jax.Array:
-    return jax.lax.optimization_barrier((value, after))[0]
+    return depend(value, [after])
 
 
 def _fwd(comm, precision, preferred, x, shard):
@@ -68,37 +69,39 @@ def _fwd(comm, precision, preferred, x, shard):
 
 def _bwd(comm, precision, preferred, residuals, dy):
     x, shard = residuals
-    rows, rows_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     w = _gathered(comm, _ordered(shard, dy))  # gathered again once the cotangent arrives
-    dx = _dot(rows_dy, w, ((1,), (1,)), precision, preferred)
-    return dx.reshape(x.shape).astype(x.dtype), reduce_summed(comm, _reduced_in_blocks(comm, rows, rows_dy))
+    dx = _dot(dy, w, ((dy.ndim - 1,), (1,)), precision, preferred)
+    return dx.astype(x.dtype), reduce_summed(comm, _reduced_in_blocks(comm, x, dy))
 
 
 blocked_matmul.defvjp(_fwd, _bwd)
 
 
-def _reduced_in_blocks(comm: LeafComm, rows: jax.Array, rows_dy: jax.Array) -> jax.Array:
-    """This device's shard of ``rows^T rows_dy`` summed over the shard axes, formed and
-    reduce-scattered a block of the matrix's unsharded dim at a time, in ``reduce_dtype``."""
+def _reduced_in_blocks(comm: LeafComm, x: jax.Array, dy: jax.Array) -> jax.Array:
+    """This device's shard of ``x^T dy`` (contracted over all but their last dims) summed over the
+    shard axes, formed and reduce-scattered a block of the matrix's unsharded dim at a time, in
+    ``reduce_dtype``. ``x`` and ``dy`` keep their leading dims (not reshaped to rows: XLA:TPU then
+    lays the blocks out as it lays out the reduced route's whole gradient)."""
     dim = comm.layout.dim
-    size = (rows.shape[1], rows_dy.shape[1])[1 - dim]
-    count = block_count(comm, (rows.shape[1], rows_dy.shape[1]))
+    size = (x.shape[-1], dy.shape[-1])[1 - dim]
+    count = block_count(comm, (x.shape[-1], dy.shape[-1]))
+    lead = tuple(range(x.ndim - 1))
     blocks, done = [], None
     for j in range(count):
         part = slice(j * size // count, (j + 1) * size // count)
-        a, b = (rows, rows_dy[:, part]) if dim == 0 else (rows[:, part], rows_dy)
+        a, b = (x, dy[..., part]) if dim == 0 else (x[..., part], dy)
         if done is not None:  # this block's matmul after the last block's reduction
             a, b = (a, _ordered(b, done)) if dim == 0 else (_ordered(a, done), b)
-        done = scatter_native(comm, _dot(a, b, ((0,), (0,))).astype(comm.reduce_dtype), dim)
+        done = scatter_native(comm, _dot(a, b, (lead, lead)).astype(comm.reduce_dtype), dim)
         blocks.append(done)
     return jnp.concatenate(blocks, axis=1 - dim)
 
 
 def block_count(comm: LeafComm, shape: tuple[int, int]) -> int:
     """How many blocks a ``shape`` matrix's gradient is reduced in: ``BLOCKS`` or 2, the most that
-    divide its unsharded dim and whose reduce-scatter XLA:TPU keeps one (it all-reduces small
-    ones: a transformer's 256 x 64 float32 blocks on a v5p 2x2x2, twice the bytes); 1 where
-    none does, and the matmul is left to the reduced route.
+    divide its unsharded dim into blocks of ``MIN_TPU_BLOCK`` bytes or more (on TPU) whose
+    reduce-scatter XLA:TPU keeps one; 1 where none does, and the matmul is left to the reduced
+    route.
 
     Example:
       >>> import numpy as np, jshard as js

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from jshard._sharding.torus import phase_groups
 
@@ -44,7 +45,7 @@ def all_gather(x: jax.Array, axes: Axes, dim: int, groups: Sequence[Sequence[int
 
 
 def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = (),
-                   sizes: Sequence[int] = ()) -> jax.Array:
+                   sizes: Sequence[int] = (), dim_major: bool = False) -> jax.Array:
     """Sum ``g`` over ``axes`` and keep this device's chunk of ``dim`` (tiled).
 
     ``phases`` (sizes whose product is the size of ``axes``, slowest first) splits it into one
@@ -52,7 +53,9 @@ def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = (
     the same result: the TPU torus's dimensions (see [Note: torus phases] in ``torus.py``).
     ``sizes`` (one per reduce-scatter, default ``g``'s): pad each device's chunk of ``dim`` so
     that the scattered input has this size, and drop the padding from the result; the size
-    XLA:TPU scatters natively ([Note: scatter padding] in ``scatter_padding.py``).
+    XLA:TPU scatters natively ([Note: scatter padding] in ``scatter_padding.py``). ``dim_major``:
+    hand each reduce-scatter its operand with ``dim`` most major in memory (:func:`dim_major`),
+    the only layout XLA:TPU keeps a reduce-scatter in (it makes the others all-reduces).
 
     Example:
       >>> import jax, jax.numpy as jnp, jshard as js
@@ -67,23 +70,47 @@ def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = (
     """
     if len(phases) < 2:
         n = math.prod(jax.lax.axis_size(a) for a in axes) if sizes else 1
-        return _scatter_padded(g, axes, dim, None, n, sizes[:1])
+        return _scatter_padded(g, axes, dim, None, n, sizes[:1], dim_major)
     for k in range(len(phases)):
-        g = _scatter_padded(g, axes, dim, phase_groups(phases, k), phases[k], sizes[k : k + 1])
+        g = _scatter_padded(g, axes, dim, phase_groups(phases, k), phases[k], sizes[k : k + 1], dim_major)
     return g
 
 
-def _scatter_padded(g: jax.Array, axes: Axes, dim: int, groups, n: int, size: Sequence[int]) -> jax.Array:
-    """One tiled reduce-scatter over ``n`` devices, each chunk padded so that ``dim`` has ``size``."""
+def _scatter_padded(g: jax.Array, axes: Axes, dim: int, groups, n: int, size: Sequence[int],
+                    major: bool) -> jax.Array:
+    """One tiled reduce-scatter over ``n`` devices, each chunk padded so that ``dim`` has ``size``
+    (``major``: its operand laid out ``dim`` first)."""
     rows = g.shape[dim]
     if not size or size[0] == rows:
+        g = dim_major(g, dim) if major else g
         return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
     chunks = g.reshape(g.shape[:dim] + (n, rows // n) + g.shape[dim + 1 :])
     widths = [(0, 0)] * chunks.ndim
     widths[dim + 1] = (0, size[0] // n - rows // n)
     wide = jnp.pad(chunks, widths).reshape(g.shape[:dim] + (size[0],) + g.shape[dim + 1 :])
+    wide = dim_major(wide, dim) if major else wide
     out = jax.lax.psum_scatter(wide, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
     return jax.lax.slice_in_dim(out, 0, rows // n, axis=dim)
+
+
+def dim_major(x: jax.Array, dim: int) -> jax.Array:
+    """``x`` constrained to a layout with ``dim`` most major in memory, the rest in order.
+
+    XLA:TPU keeps a reduce-scatter only where its scattered dim is the most major of its
+    operand's layout; any other (which its layout assignment picks for a weight gradient formed
+    from transposed activations, or read by a concatenation along another dim) it decomposes
+    into an all-reduce of the whole operand and a slice: twice the bytes, the whole buffer held
+    (libtpu 0.0.42.1 and 0.0.50.1, v5p; the reduce-scatter-decomposer pass after layout
+    assignment). A no-op for 1-D ``x``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jshard._step.collectives import dim_major
+      >>> jax.jit(lambda x: dim_major(x, 1)).lower(jnp.ones((4, 8))).as_text().count("layout")  # doctest: +SKIP
+    """
+    if x.ndim < 2:
+        return x
+    return with_layout_constraint(x, Layout(major_to_minor=(dim, *(d for d in range(x.ndim) if d != dim))))
 
 
 def all_reduce(g: jax.Array, axes: Axes) -> jax.Array:

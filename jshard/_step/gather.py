@@ -138,11 +138,11 @@ def _over_shard_axes(comm: LeafComm, g: jax.Array) -> jax.Array:
 
 def scatter_native(comm: LeafComm, g: jax.Array, dim: int) -> jax.Array:
     """``g`` summed over the leaf's shard axes, this device's chunk of ``dim`` kept: in the leaf's
-    torus phases at the sizes XLA:TPU scatters natively ([Note: scatter padding]; a gradient, a
-    block of one, or a routed matmul's partial sums)."""
+    torus phases at the sizes XLA:TPU scatters natively, ``dim`` most major on TPU ([Note: scatter
+    padding]; a gradient, a block of one, or a routed matmul's partial sums)."""
     phases, sizes = phases_and_sizes(comm.axes.tpu_mesh, comm.axes.shard, comm.scatter_phases,
                                      comm.axes.scatter_phases, g.shape, g.dtype, dim)
-    return C.reduce_scatter(g, comm.axes.shard, dim, phases, sizes)
+    return C.reduce_scatter(g, comm.axes.shard, dim, phases, sizes, dim_major=comm.axes.tpu_mesh is not None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
