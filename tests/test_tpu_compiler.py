@@ -263,6 +263,7 @@ def test_two_phases_fall_back_to_one_per_dimension_only_where_they_pad_wider(mon
 
     first = {(4, 2): 4480, (2, 2, 2): 4256, (): 4500}
     monkeypatch.setattr(scatter_padding, "scatter_sizes", lambda mesh, axes, phases, *a: (first[phases],))
+    monkeypatch.setattr(scatter_padding, "compiled_scatter", lambda *a: ("reduce-scatter", None))
     mesh, f32 = object(), np.dtype("float32")
     assert scatter_padding.phases_and_sizes(mesh, ("fsdp",), (4, 2), (2, 2, 2), (4096, 4096), f32, 0) == \
         ((2, 2, 2), (4256,))
@@ -270,6 +271,25 @@ def test_two_phases_fall_back_to_one_per_dimension_only_where_they_pad_wider(mon
     first[(4, 2)] = 4256
     assert scatter_padding.phases_and_sizes(mesh, ("fsdp",), (4, 2), (2, 2, 2), (4096, 4096), f32, 0) == \
         ((4, 2), (4256,))
+
+
+def test_two_phases_give_way_where_xla_tpu_all_reduces_their_first_at_any_size():
+    """``phases_and_sizes``: the Llama-3-8B output matrix's float32 ``[4096, 128256]`` gradient (2
+    GiB) on a v5p 4x4x8 (``tpu:v5p-256``). Over the two phases' first groups, 16 chips, XLA:TPU
+    all-reduces it at its own size and padded or not; one torus dimension at a time (groups of 4
+    first) it stays a reduce-scatter, so that is how it is reduced (the 8B plan: 1878.8 MiB a step
+    more reduce-scatter and 3757.5 less all-reduce than with two phases). Its MLP's ``[4096,
+    14336]`` gradient (224 MiB) keeps the two phases."""
+    from jshard._sharding.scatter_padding import phases_and_sizes
+    from jshard._sharding.torus import scatter_phases, unit_phases
+
+    mesh = jax.sharding.Mesh(js.make_mesh(devices=CompileTarget.parse("tpu:v5p-256").tpu_devices()).devices,
+                             ("fsdp",))
+    per_dimension = scatter_phases(mesh, ("fsdp",))
+    two, f32 = unit_phases(per_dimension, in_loop=False), np.dtype("float32")
+    assert (two, per_dimension) == ((16, 8), (4, 4, 8))
+    assert phases_and_sizes(mesh, ("fsdp",), two, per_dimension, (4096, 128256), f32, 0)[0] == per_dimension
+    assert phases_and_sizes(mesh, ("fsdp",), two, per_dimension, (4096, 14336), f32, 0)[0] == two
 
 
 def _small_unit_builder(mesh, config=None):
@@ -864,21 +884,24 @@ def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
 # Compiling the 8B programs for 128 chips takes 2 (NNX) and 4 (Hugging Face, 32 unrolled layers)
 # minutes here: the slow run.
 @pytest.mark.slow
-@pytest.mark.parametrize("build, peak_mib", [("build_nnx", 5064.3), ("build_hf", 8179.1)])
-def test_llama3_8b_plans_on_the_tpu_compiler_as_docs_planning_says(build, peak_mib):
+@pytest.mark.parametrize("build, peak_mib, scattered_mib", [("build_nnx", 5064.3, 30367.8),
+                                                            ("build_hf", 8179.1, 30361.8)])
+def test_llama3_8b_plans_on_the_tpu_compiler_as_docs_planning_says(build, peak_mib, scattered_mib):
     """docs/planning.md's Llama-3-8B plans on XLA:TPU (v5p-256: 128 chips; bf16 parameters, float32
     reduction, every layer recomputed): arguments at the analytic figure, reduce-scatters within
-    0.1% of it (the phases' padding more, the output matrix's last phase less: XLA:TPU makes that
-    one an all-reduce, 221.3 MiB), all-gathers at it or one decoder layer's gather short (the
-    Hugging Face model's last layer's re-gather, merged with its forward gather) and the peak as
-    measured."""
+    0.11% of it, as measured (the phases' padding more, the output matrix's last phase less:
+    XLA:TPU makes that one an all-reduce, 221.3 MiB; the Hugging Face model's 32 unrolled layers,
+    reduced in two phases, pad 6 MiB less than the NNX scan's), all-gathers at it or one decoder
+    layer's gather short (the Hugging Face model's last layer's re-gather, merged with its forward
+    gather) and the peak as measured."""
     p = plan(f"jshard.demo.llama3:{build}", target="tpu:v5p-256",
              config=PlanConfig(mixed_precision=True, remat="full"))
     a, mib = p.report.analytic, 2.0**20
     wire = p.report.collective_bytes
     assert p.platform == "tpu" and a.devices == 128 and a.params == 8_030_261_248
     assert p.report.memory.argument == pytest.approx(a.argument_bytes, rel=1e-3)
-    assert wire["reduce-scatter"] == pytest.approx(a.reduce_scatter, rel=1e-3)
+    assert wire["reduce-scatter"] == pytest.approx(a.reduce_scatter, rel=1.1e-3)
+    assert wire["reduce-scatter"] / mib == pytest.approx(scattered_mib, abs=0.1)
     assert 0 <= a.all_gather - wire["all-gather"] <= 413 * mib
     assert wire["all-reduce"] / mib == pytest.approx(221.3, abs=0.1)
     assert p.report.memory.peak / mib == pytest.approx(peak_mib, abs=1.0)

@@ -64,7 +64,9 @@ def phases_and_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int
     """The phases a gradient of ``shape`` is reduced in, and each one's native size: ``phases``
     (an unrolled unit's two: [Note: two phases] in ``torus.py``), or the mesh's ``per_dimension``
     ones where XLA:TPU would pad the first of ``phases`` wider (a float32 ``[4096, 4096]`` on a
-    v5p 2x2x2: 4480 rows over groups of 4, 4256 over pairs).
+    v5p 2x2x2: 4480 rows over groups of 4, 4256 over pairs) or all-reduce it at any size where
+    it keeps the per-dimension one a reduce-scatter (the Llama-3-8B output matrix's float32
+    ``[4096, 128256]`` gradient, 2 GiB, over groups of 16 of a v5p 4x4x8, and over 4).
 
     Example:
       >>> import numpy as np
@@ -76,4 +78,18 @@ def phases_and_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int
     if not phases or phases == per_dimension or not sizes:  # () is a choice too (``phases_pay_off``)
         return phases, sizes
     other = scatter_sizes(mesh, axes, per_dimension, shape, dtype, dim)
-    return (phases, sizes) if sizes[0] <= other[0] else (per_dimension, other)
+    if sizes[0] > other[0]:
+        return per_dimension, other
+    two_kept = _first_kept(mesh, axes, phases, shape, sizes[0], dtype, dim)
+    if not two_kept and _first_kept(mesh, axes, per_dimension, shape, other[0], dtype, dim):
+        return per_dimension, other
+    return phases, sizes
+
+
+def _first_kept(mesh: Mesh, axes: tuple[str, ...], phases: tuple[int, ...], shape: tuple[int, ...], size: int,
+                dtype: np.dtype, dim: int) -> bool:
+    """Whether XLA:TPU keeps the first of ``phases`` a reduce-scatter, its input ``size`` wide on
+    ``dim`` (small ones, vectors, it all-reduces alone whatever the phases: a latency choice)."""
+    first = tuple(shape[:dim]) + (size,) + tuple(shape[dim + 1 :])
+    groups = tuple(map(tuple, phase_groups(phases, 0)))
+    return compiled_scatter(mesh, axes, groups, first, np.dtype(dtype).name, dim)[0] == "reduce-scatter"
