@@ -353,3 +353,19 @@ def test_the_builder_example_of_docs_planning_plans(tmp_path, monkeypatch):
     # Forward 2·B·P; backward 2·B·P for the weights and 2·B·|w2| for the hidden activations
     # (the input's gradient is not needed): 5·B·P with B = 2 rows per device.
     assert m.alias > 0 and p.flops == 5 * 2 * a.params
+
+
+def test_the_frontier_plans_all_three_weight_gradient_routes(capsys):
+    """``frontier --weight-gradients all``: the gradients in blocks are a setting of their own too,
+    climbing their own batches (no reduced twin bounds them), at the reduced route's reduce-scatter
+    bytes."""
+    main(["frontier", "tests.test_plan:_small_batch_mlp", "--devices", "8", "--hbm", "1GiB", "--batches", "1,2",
+          "--remats", "default", "--reshard-after-forward", "true", "--mixed-precision", "false",
+          "--weight-gradients", "all", "--replicate-below", "0", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    rows = {(r["plan"]["config"]["weight_gradients"], r["plan"]["config"]["batch_per_device"]): r["plan"]["report"]
+            for r in data["rows"]}
+    assert sorted(rows) == [("from_activations", 2), ("in_blocks", 1), ("in_blocks", 2), ("reduced", 1),
+                            ("reduced", 2)]
+    blocked, reduced = (rows[route, 2]["collective_bytes"] for route in ("in_blocks", "reduced"))
+    assert blocked["reduce-scatter"] == reduced["reduce-scatter"] > 0

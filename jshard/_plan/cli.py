@@ -22,7 +22,8 @@ from jshard._sharding.policies import WEIGHT_GRADIENTS
 DEMO = "jshard.demo.plan:build_{size}"
 _SIZES = ("tiny", "small", "medium", "1b")
 _CHOICE = {"both": (True, False), "true": (True,), "false": (False,)}
-_ROUTES = {"both": ("reduced", "from_activations"), **{route: (route,) for route in WEIGHT_GRADIENTS}}
+_ROUTES = {"both": ("reduced", "from_activations"), "all": WEIGHT_GRADIENTS,
+           **{route: (route,) for route in WEIGHT_GRADIENTS}}
 
 
 def _ints(text: str, least: int = 1) -> list[int]:
@@ -105,8 +106,8 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--replicate-below", type=_counts, default=[0], metavar="N[,N...]",
                         help="replicate_below values to try, e.g. 0,4096 (default 0: every leaf sharded)")
     search.add_argument("--weight-gradients", choices=sorted(_ROUTES), default="reduced",
-                        help="reduced (default), from_activations, in_blocks, or both (reduced and "
-                             "from_activations, each a setting of its own)")
+                        help="reduced (default), from_activations, in_blocks, both (reduced and "
+                             "from_activations) or all three, each a setting of its own")
     search.add_argument("--full", action="store_true",
                         help="compile the whole grid (default: a first answer, pruned from what was compiled)")
     search.add_argument("--hardware-json", help=argparse.SUPPRESS)
