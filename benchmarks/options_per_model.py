@@ -1,12 +1,13 @@
 """jshard's lowest peak per model over the stored sweeps of its options, against the best recipe.
 
-``python -m benchmarks.options_per_model --target tpu_v5p_2x2x2`` reads the four training-step
+``python -m benchmarks.options_per_model --target tpu_v5p_2x2x2`` reads the five training-step
 sweeps of :mod:`benchmarks.memory_sweep` stored for that target (``--apply-sgd``: vectors sharded
-or kept whole by ``--replicate-below 4096``, weight gradients reduced or ``from_activations``),
-takes for each model the lowest of jshard's four peaks and the lowest recipe peak of the four
-files (the recipes compile to the same figures in each), and prints a Markdown row for each model
-whose lowest jshard peak is still above that recipe: what ``python -m jshard.report frontier
-... --replicate-below 0,4096 --weight-gradients both`` can choose between, per model
+or kept whole by ``--replicate-below 4096``, weight gradients reduced or ``from_activations``,
+and vectors sharded with weight gradients ``in_blocks``), takes for each model the lowest of
+jshard's five peaks and the lowest recipe peak of the files (the recipes compile to the same
+figures in each), and prints a Markdown row for each model whose lowest jshard peak is still
+above that recipe: what ``python -m jshard.report frontier ... --replicate-below 0,4096
+--weight-gradients all`` can choose between, per model
 (docs/benchmarks.md, "The options searched per model"). Nothing is compiled.
 """
 
@@ -21,7 +22,8 @@ from benchmarks.memory_sweep import RESULTS, exceeds, options_suffix
 
 # The options, by name: (replicate_below, weight_gradients) as memory_sweep's sweeps ran them.
 OPTIONS = {"vectors sharded, reduced": (0, "reduced"), "vectors whole, reduced": (4096, "reduced"),
-           "vectors sharded, routed": (0, "from_activations"), "vectors whole, routed": (4096, "from_activations")}
+           "vectors sharded, routed": (0, "from_activations"), "vectors whole, routed": (4096, "from_activations"),
+           "vectors sharded, in blocks": (0, "in_blocks")}
 
 
 def option_files(target: str, folder: pathlib.Path = RESULTS) -> dict[str, pathlib.Path]:

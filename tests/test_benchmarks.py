@@ -123,7 +123,7 @@ def test_heap_at_peak_examples_hold():
 
 def test_options_per_model_reads_the_stored_sweeps(tmp_path, capsys):
     """docs/benchmarks.md "The options searched per model": over the stored v5p sweeps one model stays
-    above the best recipe with jshard's lowest of its four options; a model is judged by its lowest
+    above the best recipe with jshard's lowest of its five options; a model is judged by its lowest
     peak over the files, and a missing file is named."""
     import doctest
 
