@@ -928,7 +928,7 @@ def test_weight_gradients_in_blocks_never_hold_a_whole_gradient_on_v5p():
 
 
 def test_gradients_reach_their_reduce_scatters_scattered_dim_first_on_v5p():
-    """``collectives.dim_major``: the sweep's unrolled 8x256 transformer, activations kept, with
+    """``collectives.reduce_scatter(dim_major=True)``: the sweep's unrolled 8x256 transformer, activations kept, with
     ``weight_gradients="in_blocks"`` (training step, v5p 2x2x2). XLA:TPU's layout assignment laid
     the MLP's gradient blocks and the attention output's whole gradient out with their scattered
     dim minor, and its reduce-scatter-decomposer made each of those reduce-scatters an all-reduce:

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from jshard._sharding.scatter_layout import dim_major
+
 # Probes compile in a thread of their own: the caller is usually tracing a step (inside
 # ``shard_map``), whose context mesh a separate program must not see.
 _PROBES = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jshard-compiler-probe")
@@ -36,8 +38,6 @@ def compiled_scatter(mesh: Mesh, axes: tuple[str, ...], groups: tuple[tuple[int,
 
 
 def _compile(mesh, axes, groups, shape, dtype, dim) -> tuple[str, int | None]:
-    from jshard._step.collectives import dim_major  # collectives import torus, which imports this module
-
     def scatter(g):
         index_groups = None if groups is None else [list(group) for group in groups]
         return jax.lax.psum_scatter(dim_major(g, dim), axes, scatter_dimension=dim, tiled=True,

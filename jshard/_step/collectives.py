@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Layout, with_layout_constraint
 
+from jshard._sharding.scatter_layout import dim_major
 from jshard._sharding.torus import phase_groups
 
 Axes = tuple[str, ...]
@@ -54,8 +54,8 @@ def reduce_scatter(g: jax.Array, axes: Axes, dim: int, phases: Sequence[int] = (
     ``sizes`` (one per reduce-scatter, default ``g``'s): pad each device's chunk of ``dim`` so
     that the scattered input has this size, and drop the padding from the result; the size
     XLA:TPU scatters natively ([Note: scatter padding] in ``scatter_padding.py``). ``dim_major``:
-    hand each reduce-scatter its operand with ``dim`` most major in memory (:func:`dim_major`),
-    the only layout XLA:TPU keeps a reduce-scatter in (it makes the others all-reduces).
+    hand each reduce-scatter its operand with ``dim`` most major in memory, the only layout
+    XLA:TPU keeps a reduce-scatter in (it makes the others all-reduces; ``scatter_layout.py``).
 
     Example:
       >>> import jax, jax.numpy as jnp, jshard as js
@@ -91,26 +91,6 @@ def _scatter_padded(g: jax.Array, axes: Axes, dim: int, groups, n: int, size: Se
     wide = dim_major(wide, dim) if major else wide
     out = jax.lax.psum_scatter(wide, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
     return jax.lax.slice_in_dim(out, 0, rows // n, axis=dim)
-
-
-def dim_major(x: jax.Array, dim: int) -> jax.Array:
-    """``x`` constrained to a layout with ``dim`` most major in memory, the rest in order.
-
-    XLA:TPU keeps a reduce-scatter only where its scattered dim is the most major of its
-    operand's layout; any other (which its layout assignment picks for a weight gradient formed
-    from transposed activations, or read by a concatenation along another dim) it decomposes
-    into an all-reduce of the whole operand and a slice: twice the bytes, the whole buffer held
-    (libtpu 0.0.42.1 and 0.0.50.1, v5p; the reduce-scatter-decomposer pass after layout
-    assignment). A no-op for 1-D ``x``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jshard._step.collectives import dim_major
-      >>> jax.jit(lambda x: dim_major(x, 1)).lower(jnp.ones((4, 8))).as_text().count("layout")  # doctest: +SKIP
-    """
-    if x.ndim < 2:
-        return x
-    return with_layout_constraint(x, Layout(major_to_minor=(dim, *(d for d in range(x.ndim) if d != dim))))
 
 
 def all_reduce(g: jax.Array, axes: Axes) -> jax.Array:
