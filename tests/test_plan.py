@@ -179,16 +179,23 @@ def test_a_plan_forms_weight_gradients_from_activations_where_asked(capsys):
     assert tiny.report.collective_bytes == plan("jshard.demo.plan:build_tiny", devices=8).report.collective_bytes
 
 
+def _small_mlp_frontier(capsys, routes: str) -> tuple[dict, dict]:
+    """``frontier --weight-gradients routes`` over :func:`_small_batch_mlp` at batches 1 and 2: the
+    JSON, and each row's report by (route, batch)."""
+    main(["frontier", "tests.test_plan:_small_batch_mlp", "--devices", "8", "--hbm", "1GiB", "--batches", "1,2",
+          "--remats", "default", "--reshard-after-forward", "true", "--mixed-precision", "false",
+          "--weight-gradients", routes, "--replicate-below", "0", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    configs = [r["plan"]["config"] for r in data["rows"]]
+    return data, {(c["weight_gradients"], c["batch_per_device"]): r["plan"]["report"]
+                  for c, r in zip(configs, data["rows"], strict=True)}
+
+
 def test_the_frontier_plans_both_weight_gradient_routes(capsys):
     """``frontier --weight-gradients both`` compiles each route as a setting of its own (neither bounds the
     other's memory): the routed rows exchange activations and send less; a bad value fails before compiling.
     The demo's transformer, which routes nothing at these batches, costs one compile more, not a second climb."""
-    main(["frontier", "tests.test_plan:_small_batch_mlp", "--devices", "8", "--hbm", "1GiB", "--batches", "1,2",
-          "--remats", "default", "--reshard-after-forward", "true", "--mixed-precision", "false",
-          "--weight-gradients", "both", "--replicate-below", "0", "--json"])
-    data = json.loads(capsys.readouterr().out)
-    rows = {(r["plan"]["config"]["weight_gradients"], r["plan"]["config"]["batch_per_device"]): r["plan"]["report"]
-            for r in data["rows"]}
+    data, rows = _small_mlp_frontier(capsys, "both")
     # Reduced first; the routed setting starts where its reduced twin fits (batch 2), and routes there.
     assert sorted(rows) == [("from_activations", 2), ("reduced", 1), ("reduced", 2)]
     assert [(s["config"]["weight_gradients"], s["config"]["batch_per_device"], s["kind"]) for s in data["skipped"]] \
@@ -359,12 +366,7 @@ def test_the_frontier_plans_all_three_weight_gradient_routes(capsys):
     """``frontier --weight-gradients all``: the gradients in blocks are a setting of their own too,
     climbing their own batches (no reduced twin bounds them), at the reduced route's reduce-scatter
     bytes."""
-    main(["frontier", "tests.test_plan:_small_batch_mlp", "--devices", "8", "--hbm", "1GiB", "--batches", "1,2",
-          "--remats", "default", "--reshard-after-forward", "true", "--mixed-precision", "false",
-          "--weight-gradients", "all", "--replicate-below", "0", "--json"])
-    data = json.loads(capsys.readouterr().out)
-    rows = {(r["plan"]["config"]["weight_gradients"], r["plan"]["config"]["batch_per_device"]): r["plan"]["report"]
-            for r in data["rows"]}
+    _, rows = _small_mlp_frontier(capsys, "all")
     assert sorted(rows) == [("from_activations", 2), ("in_blocks", 1), ("in_blocks", 2), ("reduced", 1),
                             ("reduced", 2)]
     blocked, reduced = (rows[route, 2]["collective_bytes"] for route in ("in_blocks", "reduced"))
