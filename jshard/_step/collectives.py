@@ -81,16 +81,15 @@ def _scatter_padded(g: jax.Array, axes: Axes, dim: int, groups, n: int, size: Se
     """One tiled reduce-scatter over ``n`` devices, each chunk padded so that ``dim`` has ``size``
     (``major``: its operand laid out ``dim`` first)."""
     rows = g.shape[dim]
-    if not size or size[0] == rows:
-        g = dim_major(g, dim) if major else g
-        return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
-    chunks = g.reshape(g.shape[:dim] + (n, rows // n) + g.shape[dim + 1 :])
-    widths = [(0, 0)] * chunks.ndim
-    widths[dim + 1] = (0, size[0] // n - rows // n)
-    wide = jnp.pad(chunks, widths).reshape(g.shape[:dim] + (size[0],) + g.shape[dim + 1 :])
-    wide = dim_major(wide, dim) if major else wide
-    out = jax.lax.psum_scatter(wide, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
-    return jax.lax.slice_in_dim(out, 0, rows // n, axis=dim)
+    padded = bool(size) and size[0] != rows
+    if padded:
+        chunks = g.reshape(g.shape[:dim] + (n, rows // n) + g.shape[dim + 1 :])
+        widths = [(0, 0)] * chunks.ndim
+        widths[dim + 1] = (0, size[0] // n - rows // n)
+        g = jnp.pad(chunks, widths).reshape(g.shape[:dim] + (size[0],) + g.shape[dim + 1 :])
+    g = dim_major(g, dim) if major else g
+    out = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
+    return jax.lax.slice_in_dim(out, 0, rows // n, axis=dim) if padded else out
 
 
 def all_reduce(g: jax.Array, axes: Axes) -> jax.Array:
