@@ -80,16 +80,25 @@ def phases_and_sizes(mesh: Mesh | None, axes: tuple[str, ...], phases: tuple[int
     other = scatter_sizes(mesh, axes, per_dimension, shape, dtype, dim)
     if sizes[0] > other[0]:
         return per_dimension, other
-    two_kept = _first_kept(mesh, axes, phases, shape, sizes[0], dtype, dim)
-    if not two_kept and _first_kept(mesh, axes, per_dimension, shape, other[0], dtype, dim):
+    two_kept = first_kept(mesh, axes, phases, shape, sizes[0], dtype, dim)
+    if not two_kept and first_kept(mesh, axes, per_dimension, shape, other[0], dtype, dim):
         return per_dimension, other
     return phases, sizes
 
 
-def _first_kept(mesh: Mesh, axes: tuple[str, ...], phases: tuple[int, ...], shape: tuple[int, ...], size: int,
-                dtype: np.dtype, dim: int) -> bool:
-    """Whether XLA:TPU keeps the first of ``phases`` a reduce-scatter, its input ``size`` wide on
-    ``dim`` (small ones, vectors, it all-reduces alone whatever the phases: a latency choice)."""
+def first_kept(mesh: Mesh, axes: tuple[str, ...], phases: tuple[int, ...], shape: tuple[int, ...], size: int,
+               dtype: np.dtype, dim: int) -> bool:
+    """Whether XLA:TPU keeps the first reduce-scatter of a ``shape`` gradient over ``axes`` (the
+    first of ``phases``, or the one) a reduce-scatter, its input ``size`` wide on ``dim`` (small
+    ones, vectors, it all-reduces alone whatever the phases: a latency choice).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jshard._sharding.scatter_padding import first_kept
+      >>> mesh = jax.make_mesh((8,), ("fsdp",))
+      >>> first_kept(mesh, ("fsdp",), (2, 4), (64, 128), 64, np.dtype("float32"), 0)  # CPU keeps it
+      True
+    """
     first = tuple(shape[:dim]) + (size,) + tuple(shape[dim + 1 :])
-    groups = tuple(map(tuple, phase_groups(phases, 0)))
+    groups = tuple(map(tuple, phase_groups(phases, 0))) if phases else None
     return compiled_scatter(mesh, axes, groups, first, np.dtype(dtype).name, dim)[0] == "reduce-scatter"

@@ -30,9 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jshard._sharding.compiler_probe import compiled_scatter
-from jshard._sharding.scatter_padding import phases_and_sizes
-from jshard._sharding.torus import phase_groups
+from jshard._sharding.scatter_padding import first_kept, phases_and_sizes
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm, reduce_summed, scatter_native
 from jshard._step.remat import depend
@@ -133,6 +131,4 @@ def _native(comm: LeafComm, block: tuple[int, int]) -> bool:
         return False
     phases, sizes = phases_and_sizes(axes.tpu_mesh, axes.shard, comm.scatter_phases, axes.scatter_phases, block,
                                      dtype, dim)
-    groups = tuple(map(tuple, phase_groups(phases, 0))) if phases else None
-    padded = tuple(sizes[0] if d == dim else n for d, n in enumerate(block))
-    return compiled_scatter(axes.tpu_mesh, axes.shard, groups, padded, dtype.name, dim)[0] == "reduce-scatter"
+    return first_kept(axes.tpu_mesh, axes.shard, phases, block, sizes[0], dtype, dim)
