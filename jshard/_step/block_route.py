@@ -53,8 +53,17 @@ def _gathered(comm: LeafComm, shard: jax.Array) -> jax.Array:
                         phases=comm.axes.gather_phases)
 
 
-def _dot(a, b, contract, precision=None, preferred=None):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred)
+def contract(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None, preferred: Any = None) -> jax.Array:
+    """``a`` and ``b`` contracted over ``dims`` (``(a's, b's)``), no batch dims: the matmuls of
+    this route and of ``weight_route.py``'s.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jshard._step.block_route import contract
+      >>> contract(jnp.ones((2, 3)), jnp.ones((2, 4)), ((0,), (0,))).shape  # x^T dy
+      (3, 4)
+    """
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=preferred)
 
 
 def _ordered(value: jax.Array, after: jax.Array) -> jax.Array:
@@ -62,13 +71,13 @@ def _ordered(value: jax.Array, after: jax.Array) -> jax.Array:
 
 
 def _fwd(comm, precision, preferred, x, shard):
-    return _dot(x, _gathered(comm, shard), ((x.ndim - 1,), (0,)), precision, preferred), (x, shard)
+    return contract(x, _gathered(comm, shard), ((x.ndim - 1,), (0,)), precision, preferred), (x, shard)
 
 
 def _bwd(comm, precision, preferred, residuals, dy):
     x, shard = residuals
     w = _gathered(comm, _ordered(shard, dy))  # gathered again once the cotangent arrives
-    dx = _dot(dy, w, ((dy.ndim - 1,), (1,)), precision, preferred)
+    dx = contract(dy, w, ((dy.ndim - 1,), (1,)), precision, preferred)
     return dx.astype(x.dtype), reduce_summed(comm, _reduced_in_blocks(comm, x, dy))
 
 
@@ -90,7 +99,7 @@ def _reduced_in_blocks(comm: LeafComm, x: jax.Array, dy: jax.Array) -> jax.Array
         a, b = (x, dy[..., part]) if dim == 0 else (x[..., part], dy)
         if done is not None:  # this block's matmul after the last block's reduction
             a, b = (a, _ordered(b, done)) if dim == 0 else (_ordered(a, done), b)
-        done = scatter_native(comm, _dot(a, b, (lead, lead)).astype(comm.reduce_dtype), dim)
+        done = scatter_native(comm, contract(a, b, (lead, lead)).astype(comm.reduce_dtype), dim)
         blocks.append(done)
     return jnp.concatenate(blocks, axis=1 - dim)
 

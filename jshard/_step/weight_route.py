@@ -58,7 +58,7 @@ import jax
 from jax.extend import core as jcore
 
 from jshard._step import collectives as C
-from jshard._step.block_route import block_count, blocked_matmul
+from jshard._step.block_route import block_count, blocked_matmul, contract
 from jshard._step.gather import LeafComm, reduce_summed, scatter_native
 from jshard._step.remat import (
     REMAT_POLICY,
@@ -76,19 +76,15 @@ def routed_matmul(comm: LeafComm, precision: Any, preferred: Any, x: jax.Array, 
     return _fwd(comm, precision, preferred, x, shard)[0]
 
 
-def _dot(a, b, contract, precision=None, preferred=None):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=preferred)
-
-
 def _fwd(comm, precision, preferred, x, shard):
     axes, rows, w = comm.axes.shard, x.reshape(-1, x.shape[-1]), shard.astype(comm.param_dtype)
     if comm.layout.dim == 0:  # this device's inputs of every device's rows, times the shard: partial sums
         x_cols = jax.lax.all_to_all(rows, axes, split_axis=1, concat_axis=0, tiled=True)
-        y = scatter_native(comm, _dot(x_cols, w, ((1,), (0,)), precision, preferred), 0)  # partial sums
+        y = scatter_native(comm, contract(x_cols, w, ((1,), (0,)), precision, preferred), 0)  # partial sums
         saved = x_cols
     else:  # every device's rows times the shard: this device's outputs of every row
         x_all = C.all_gather(rows, axes, 0, phases=comm.axes.gather_phases)
-        y = jax.lax.all_to_all(_dot(x_all, w, ((1,), (0,)), precision, preferred), axes, split_axis=0,
+        y = jax.lax.all_to_all(contract(x_all, w, ((1,), (0,)), precision, preferred), axes, split_axis=0,
                                concat_axis=1, tiled=True)
         saved = x  # gathered again in backward: every device's rows are n times this device's
     return y.reshape(x.shape[:-1] + y.shape[-1:]), (saved, shard)
@@ -99,13 +95,13 @@ def _bwd(comm, precision, preferred, residuals, dy):
     axes, w, rows_dy = comm.axes.shard, shard.astype(comm.param_dtype), dy.reshape(-1, dy.shape[-1])
     if comm.layout.dim == 0:
         x_ex, dy_ex = saved, C.all_gather(rows_dy, axes, 0, phases=comm.axes.gather_phases)
-        dx = jax.lax.all_to_all(_dot(dy_ex, w, ((1,), (1,)), precision, preferred), axes, split_axis=0,
+        dx = jax.lax.all_to_all(contract(dy_ex, w, ((1,), (1,)), precision, preferred), axes, split_axis=0,
                                 concat_axis=1, tiled=True)
     else:
         x_ex = C.all_gather(saved.reshape(-1, saved.shape[-1]), axes, 0, phases=comm.axes.gather_phases)
         dy_ex = jax.lax.all_to_all(rows_dy, axes, split_axis=1, concat_axis=0, tiled=True)
-        dx = scatter_native(comm, _dot(dy_ex, w, ((1,), (1,)), precision, preferred), 0)
-    gradient = _dot(x_ex, dy_ex, ((0,), (0,))).astype(w.dtype)
+        dx = scatter_native(comm, contract(dy_ex, w, ((1,), (1,)), precision, preferred), 0)
+    gradient = contract(x_ex, dy_ex, ((0,), (0,))).astype(w.dtype)
     return dx.reshape(dy.shape[:-1] + dx.shape[-1:]).astype(saved.dtype), reduce_summed(comm, gradient)
 
 
