@@ -14,11 +14,17 @@ constrained, jshard), with XLA dumping the compiled module's buffer assignment a
   union of the live values' ``[offset, offset + size)``, so values sharing a buffer count once),
   and the allocation's size above it: what XLA's packing leaves unused at its fullest;
 - the largest values live there, with their shape and the JAX operation that made them (the HLO
-  instruction's ``op_name``), which is how docs/benchmarks.md attributes a row's excess.
+  instruction's ``op_name``), which is how docs/benchmarks.md attributes a row's excess;
+- the allocation's tuple values (:func:`tuple_slots`): the state of each asynchronous operation
+  (``copy-start`` to and from on-chip memory, ``all-reduce-start``, ...), 32-352 bytes each,
+  which XLA:TPU v5p places in 16 KiB slots of their own, one per buffer (only a loop's state
+  tuples share one), above the other values: a program's slots times 16 KiB is address space its
+  allocation spans. It prints how many there are and how far the allocation reaches above every
+  other value.
 
 ``--above RESULTS.json`` reads a stored sweep instead (its target, flags and jshard options) and,
 for every model whose jshard peak is above the best recipe's there, compiles that recipe and
-jshard again and prints one Markdown row: both peaks, each program's three temporaries figures,
+jshard again and prints one Markdown row: both peaks, each program's three temporaries figures and its tuple values,
 what jshard holds at its fullest that the recipe's fullest point has no value of the same shape
 for (:func:`held_more`), and the other way round. docs/benchmarks.md's tables of the rows above
 the recipe come from it.
@@ -62,6 +68,32 @@ class HeapValue:
 
 
 @dataclasses.dataclass(frozen=True)
+class TupleSlots:
+    """The allocation's tuple values: how many, at how many distinct offsets, and how far the
+    allocation reaches above every value that is not one."""
+
+    count: int
+    offsets: int
+    overhang: int  # allocation end - the end of the highest non-tuple value
+
+
+def tuple_slots(values: list[HeapValue]) -> TupleSlots:
+    """:class:`TupleSlots` of the temporaries' ``values``.
+
+    Example:
+      >>> values = [HeapValue("dot{}", 16384, 0, "f32[64,64]"),
+      ...           HeapValue("copy-start{}", 32, 16384, "(f32[8], f32[8], u32[])"),
+      ...           HeapValue("copy-start.1{}", 32, 32768, "(f32[8], f32[8], u32[])")]
+      >>> tuple_slots(values)
+      TupleSlots(count=2, offsets=2, overhang=16416)
+    """
+    tuples = [v for v in values if v.shape.startswith("(")]
+    end = max((v.offset + v.size for v in values), default=0)
+    rest = max((v.offset + v.size for v in values if not v.shape.startswith("(")), default=0)
+    return TupleSlots(len(tuples), len({v.offset for v in tuples}), end - rest)
+
+
+@dataclasses.dataclass(frozen=True)
 class Fullest:
     """The temporaries' allocation at the point where most of it is occupied."""
 
@@ -69,6 +101,7 @@ class Fullest:
     occupied: int  # bytes occupied at once there, at most
     time: int  # the position in the schedule (the live-range dump's numbering)
     live: tuple[HeapValue, ...]  # the values live then, one per buffer, largest first
+    tuples: TupleSlots = TupleSlots(0, 0, 0)  # the allocation's tuple values (asynchronous operations)
 
 
 def temp_values(buffer_assignment: str) -> list[HeapValue]:
@@ -127,7 +160,8 @@ def fullest(values: list[HeapValue], ranges: dict[str, tuple[int, int]]) -> Full
     # values sharing a buffer (an in-place update, a loop's carried state): the one defined first
     one_per_buffer = {(v.offset, v.size): v for v in sorted(live, key=lambda v: ranges[v.name][0], reverse=True)}
     largest = sorted(one_per_buffer.values(), key=lambda v: (-v.size, v.offset))
-    return Fullest(max((v.offset + v.size for v in values), default=0), best[0], best[1], tuple(largest))
+    return Fullest(max((v.offset + v.size for v in values), default=0), best[0], best[1], tuple(largest),
+                   tuple_slots(values))
 
 
 def read_dump(directory: pathlib.Path) -> tuple[Fullest, dict[str, str]]:
@@ -144,11 +178,16 @@ def describe(variant: str, temp: int, heap: Fullest, ops: dict[str, str], top: i
     mib = 2.0**20
     lines = [f"{variant}: memory_analysis temp {temp / mib:.2f} MiB; HBM temp allocation "
              f"{heap.allocation / mib:.2f} MiB, at most {heap.occupied / mib:.2f} MiB of it occupied at once "
-             f"(schedule position {heap.time}); the largest values then:"]
+             f"(schedule position {heap.time}); {_tuples(heap.tuples)}; the largest values then:"]
     for v in heap.live[:top]:
         op = ops.get(v.instruction, "")[-90:]
         lines.append(f"  {v.size / mib:8.2f} MiB at {v.offset / mib:7.2f}  {v.shape:28s} {op}")
     return "\n".join(lines)
+
+
+def _tuples(t: TupleSlots) -> str:
+    return (f"{t.count} tuple values at {t.offsets} offsets, the allocation {t.overhang / 2**20:.2f} MiB "
+            "above the other values")
 
 
 def held_more(jshard: Fullest, recipe: Fullest, floor: int = 1 << 16) -> list[HeapValue]:
@@ -189,7 +228,8 @@ def _compiled_heap(ms: Any, model: Any, mesh: Any, variant: str, tmp: pathlib.Pa
 def _cells(compiled: Any, heap: Fullest) -> tuple[float, str]:
     mib = 2.0**20
     figures = (compiled.memory_analysis().temp_size_in_bytes, heap.allocation, heap.occupied)
-    return Memory.from_compiled(compiled).peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
+    return (Memory.from_compiled(compiled).peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
+            + f" / {heap.tuples.count} ({heap.tuples.overhang / mib:.2f})")
 
 
 def above_rows(results: pathlib.Path) -> None:
@@ -210,6 +250,7 @@ def above_rows(results: pathlib.Path) -> None:
     print(f"{results.name}: compiled by {target.describe()}"
           + (f" with LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}" if stored.get("libtpu_init_args") else ""))
     print("| model | best recipe | jshard (/ best) | recipe: temporaries / HBM allocation / occupied "
+          "/ tuple values (allocation above the others) "
           "| jshard: the same | what jshard holds at its fullest that the recipe does not | and the recipe, that "
           "jshard does not |")
     print("|---|---|---|---|---|---|---|")

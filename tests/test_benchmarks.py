@@ -152,7 +152,8 @@ def test_heap_at_peak_counts_a_shared_buffer_once():
 
 def test_heap_at_peak_reads_a_tpu_compiled_step(tmp_path):
     """XLA:TPU's own dump of a sweep model's step: its temporaries at their fullest hold a
-    gathered layer in bf16, made by jshard's all_gather (v5p 2x2x2, tanh 4x512, stacked)."""
+    gathered layer in bf16, made by jshard's all_gather (v5p 2x2x2, tanh 4x512, stacked), and its
+    asynchronous operations' tuples each have an offset of their own."""
     from benchmarks import heap_at_peak, memory_sweep
     from jshard.report import CompileTarget
 
@@ -163,6 +164,9 @@ def test_heap_at_peak_reads_a_tpu_compiled_step(tmp_path):
     assert 0 < heap.occupied <= heap.allocation <= compiled.memory_analysis().temp_size_in_bytes
     gathered = [v.shape for v in heap.live if ops.get(v.instruction, "").endswith("all_gather")]
     assert "bf16[512,512]" in gathered, [(v.shape, ops.get(v.instruction)) for v in heap.live]
+    # tuples (of asynchronous operations; a loop's state shares one buffer) in 16 KiB slots of their own
+    assert heap.tuples.count >= heap.tuples.offsets > 0, heap.tuples
+    assert 0 < heap.tuples.overhang <= heap.tuples.offsets * (16 << 10), heap.tuples
     assert "jshard:" in heap_at_peak.describe("jshard", 1 << 20, heap, ops, top=3)
 
 
