@@ -17,16 +17,16 @@ constrained, jshard), with XLA dumping the compiled module's buffer assignment a
   instruction's ``op_name``), which is how docs/benchmarks.md attributes a row's excess;
 - the allocation's tuple values (:func:`tuple_slots`): the state of each asynchronous operation
   (``copy-start`` to and from on-chip memory, ``all-reduce-start``, ...), 32-352 bytes each,
-  which XLA:TPU v5p places in 16 KiB slots of their own, one per buffer (only a loop's state
-  tuples share one), above the other values: a program's slots times 16 KiB is address space its
-  allocation spans. It prints how many there are and how far the allocation reaches above every
-  other value.
+  which XLA:TPU places in 16 KiB slots of their own, one per buffer (only a loop's state tuples
+  share one), above the other values or in gaps among them: up to 16 KiB of the allocation per
+  asynchronous operation. It prints how many there are and how far the allocation reaches above
+  every other value.
 
 ``--above RESULTS.json`` reads a stored sweep instead (its target, flags and jshard options) and,
 for every model whose jshard peak is above the best recipe's there, compiles that recipe and
-jshard again and prints one Markdown row: both peaks, each program's three temporaries figures and its tuple values,
-what jshard holds at its fullest that the recipe's fullest point has no value of the same shape
-for (:func:`held_more`), and the other way round. docs/benchmarks.md's tables of the rows above
+jshard again and prints one Markdown row: both peaks, each program's three temporaries figures
+and its tuple values, what jshard holds at its fullest that the recipe's fullest point has no
+value of the same shape for (:func:`held_more`), and the other way round. docs/benchmarks.md's tables of the rows above
 the recipe come from it.
 
 The parsing functions take the dump's text, so tests can feed them small hand-written pieces.

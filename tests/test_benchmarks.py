@@ -164,7 +164,8 @@ def test_heap_at_peak_reads_a_tpu_compiled_step(tmp_path):
     assert 0 < heap.occupied <= heap.allocation <= compiled.memory_analysis().temp_size_in_bytes
     gathered = [v.shape for v in heap.live if ops.get(v.instruction, "").endswith("all_gather")]
     assert "bf16[512,512]" in gathered, [(v.shape, ops.get(v.instruction)) for v in heap.live]
-    # tuples (of asynchronous operations; a loop's state shares one buffer) in 16 KiB slots of their own
+    # tuples (asynchronous operations' state) at offsets of their own (a loop's state tuples share
+    # one), the allocation reaching at most a 16 KiB slot per offset above the other values
     assert heap.tuples.count >= heap.tuples.offsets > 0, heap.tuples
     assert 0 < heap.tuples.overhang <= heap.tuples.offsets * (16 << 10), heap.tuples
     assert "jshard:" in heap_at_peak.describe("jshard", 1 << 20, heap, ops, top=3)
