@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jshard._sharding.scatter_layout import dim_major
+from jshard._sharding import scatter_layout
 from jshard._sharding.torus import phase_groups
 
 Axes = tuple[str, ...]
@@ -87,7 +87,7 @@ def _scatter_padded(g: jax.Array, axes: Axes, dim: int, groups, n: int, size: Se
         widths = [(0, 0)] * chunks.ndim
         widths[dim + 1] = (0, size[0] // n - rows // n)
         g = jnp.pad(chunks, widths).reshape(g.shape[:dim] + (size[0],) + g.shape[dim + 1 :])
-    g = dim_major(g, dim) if major else g
+    g = scatter_layout.dim_major(g, dim) if major else g
     out = jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True, axis_index_groups=groups)
     return jax.lax.slice_in_dim(out, 0, rows // n, axis=dim) if padded else out
 

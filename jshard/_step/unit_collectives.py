@@ -30,9 +30,8 @@ import jax.numpy as jnp
 
 from jshard._sharding.dtypes import is_floating
 from jshard._sharding.layout import pad
-from jshard._sharding.scatter_padding import phases_and_sizes
 from jshard._step import collectives as C
-from jshard._step.gather import LeafComm
+from jshard._step.gather import LeafComm, scatter_native
 from jshard._step.offload import to_device, to_host
 from jshard._step.remat import pack, unpad_gathered
 
@@ -124,13 +123,10 @@ def _scatter_rows(comm0: LeafComm, flat: jax.Array) -> jax.Array:
     """Reduce-scatter the ``(N, S)`` buffer to this device's row, as ``(N * S / 1024, 1024)`` tiles
     where XLA:TPU is asked which size it scatters natively ([Note: scatter padding]: it makes
     a large buffer an all-reduce otherwise, and asks nothing of a one-dimensional one)."""
-    axes, phases = comm0.axes, comm0.scatter_phases
-    if axes.tpu_mesh is None:
-        return C.reduce_scatter(flat, axes.shard, 0, phases)[0]
+    if comm0.axes.tpu_mesh is None:
+        return scatter_native(comm0, flat, 0)[0]
     n, size = flat.shape
     rows = -(-size // TPU_TILE)
     tiles = jnp.pad(flat, ((0, 0), (0, rows * TPU_TILE - size))).reshape(n * rows, TPU_TILE)
-    phases, sizes = phases_and_sizes(axes.tpu_mesh, axes.shard, phases, axes.scatter_phases, tiles.shape,
-                                     tiles.dtype, 0)
-    return C.reduce_scatter(tiles, axes.shard, 0, phases, sizes).reshape(-1)[:size]
+    return scatter_native(comm0, tiles, 0).reshape(-1)[:size]
 
