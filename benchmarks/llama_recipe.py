@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.memory_sweep import compiled_figures, target_mesh
+from jshard._sharding.policies import WEIGHT_GRADIENTS
 from jshard.demo import llama3
 from jshard.demo.plan import standard_promotion
 from jshard.report import CompileTarget, PlanConfig
@@ -81,11 +82,12 @@ def recipe_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int) -> tu
     return jitted, (state, tokens)
 
 
-def jshard_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int,
-                reduce_dtype: Any = jnp.float32) -> tuple[Any, tuple[Any, ...]]:
-    """The demo's jshard training step of ``cfg`` (gradients reduced in ``reduce_dtype``) and its
-    abstract arguments."""
-    config = PlanConfig(batch_per_device=batch_per_device, remat="full", mixed_precision=True)
+def jshard_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int, reduce_dtype: Any = jnp.float32,
+                weight_gradients: str = "reduced") -> tuple[Any, tuple[Any, ...]]:
+    """The demo's jshard training step of ``cfg`` (gradients reduced in ``reduce_dtype``, formed by
+    ``FullyShardPolicy(weight_gradients=...)``) and its abstract arguments."""
+    config = PlanConfig(batch_per_device=batch_per_device, remat="full", mixed_precision=True,
+                        weight_gradients=weight_gradients)
     step, args, _ = llama3.build_nnx_model(mesh, config, cfg, reduce_dtype=reduce_dtype)
     return step, args
 
@@ -97,15 +99,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--batch-per-device", type=int, default=1)
     parser.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="jshard's gradient reduction dtype (the demo's float32; the recipe's is bfloat16)")
+    parser.add_argument("--weight-gradients", choices=WEIGHT_GRADIENTS, default="reduced",
+                        help="jshard's FullyShardPolicy(weight_gradients=...): from_activations also looks the "
+                             "embedding up on its shard")
     args = parser.parse_args(argv)
     target = CompileTarget.parse(args.target)
     mesh = target_mesh(target)
     cfg = SIZES[args.size]
     print(f"NNX Llama {args.size} (dim {cfg.dim}, {cfg.layers} layers, vocabulary {cfg.vocab}, {cfg.seq_len} tokens), "
-          f"batch {args.batch_per_device} per device, jshard reducing in {args.reduce_dtype}, "
+          f"batch {args.batch_per_device} per device, jshard reducing in {args.reduce_dtype}, weight gradients "
+          f"{args.weight_gradients}, "
           f"compiled by {target.describe()}")
     builds = {"recipe": lambda: recipe_step(mesh, cfg, args.batch_per_device),
-              "jshard": lambda: jshard_step(mesh, cfg, args.batch_per_device, jnp.dtype(args.reduce_dtype))}
+              "jshard": lambda: jshard_step(mesh, cfg, args.batch_per_device, jnp.dtype(args.reduce_dtype),
+                                                 args.weight_gradients)}
     results = {}
     for name, build in builds.items():
         results[name] = r = compiled_figures(*build())

@@ -265,7 +265,12 @@ class FullyShardPolicy:
         gradient exists; fewer bytes and less memory where the global batch has fewer rows than
         ``w`` has inputs (GSPMD's choice at such batches; docs/benchmarks.md, "Weight gradients
         from gathered activations"). Under a ``remat_policy`` each recomputed layer (a stacked
-        layer, an unrolled unit) is routed whole or not at all. Other uses keep the gather and the reduction.
+        layer, an unrolled unit) is routed whole or not at all. A row lookup of such a table
+        (``jnp.take(w, ids, axis=0)``: ``nnx.Embed``, ``nn.Embed``), in any unit, the root too, runs
+        on the shard with the ids gathered and each token's columns exchanged, where that sends
+        fewer elements (fewer tokens per device than rows): neither the gathered table nor its
+        whole gradient exists (docs/benchmarks.md, "Embedding lookups on the shard"). Other uses
+        keep the gather and the reduction.
         ``"in_blocks"``: the same matrices' matmuls keep the gather (forward, and again in
         backward for ``dx``) but form the weight gradient a block at a time along the matrix's
         unsharded dim (4 where they divide it), each block reduce-scattered before the next is

@@ -62,11 +62,12 @@ class LeafComm:
 
     @property
     def routable(self) -> bool:
-        """Whether the matmuls that read this leaf gathered may form its gradient their own way
-        (``FullyShardPolicy(weight_gradients=...)``: from gathered activations, [Note: weight
-        gradient route] in ``weight_route.py``, or in blocks, [Note: weight gradient blocks] in
-        ``block_route.py``): a matrix sharded whole on one of its two dims, without padding,
-        model axes, offload or custom collectives, freed after forward."""
+        """Whether the matmuls and row lookups that read this leaf gathered may form its gradient
+        their own way (``FullyShardPolicy(weight_gradients=...)``: from gathered activations,
+        [Note: weight gradient route] in ``weight_route.py`` and [Note: row lookup route] in
+        ``lookup_route.py``, or in blocks, [Note: weight gradient blocks] in ``block_route.py``):
+        a matrix sharded whole on one of its two dims, without padding, model axes, offload or
+        custom collectives (a matmul's route needs it freed after forward too)."""
         layout, policy = self.layout, self.policy
         return (policy.weight_gradients != "reduced" and len(layout.shape) == 2 and layout.sharded
                 and layout.padded == layout.shape[layout.dim] and not self.axes.model and not self.offloaded
@@ -226,7 +227,7 @@ def gather_leaf(comm: LeafComm, shard: jax.Array, reshard_after_forward: bool | 
     raf = reshard_after_forward
     if isinstance(raf, bool) or not comm.layout.sharded:
         full = checkpoint_name(gather_shard(comm, shard), FREE if raf else SAVED)
-        return mark_routable(full, shard, comm) if raf is True and comm.routable else full
+        return mark_routable(full, shard, comm, freed=raf) if comm.routable else full
     x = to_device(jax.lax.stop_gradient(shard), comm.offloaded).astype(comm.param_dtype)
     def gather_within(v):
         return C.all_gather(v, comm.axes.shard, comm.layout.dim, _within_groups(comm))

@@ -93,26 +93,28 @@ batching.primitive_batchers[unpad_p] = _batch
 routable_p = jax.extend.core.Primitive("jshard_routable")
 
 
-def mark_routable(x: jax.Array, shard: jax.Array, comm: Any) -> jax.Array:
-    """``x``, a gathered leaf whose matmuls may form its gradient from gathered activations,
-    marked for the step that finds them ([Note: weight gradient route] in ``weight_route.py``)
-    with what they need: the ``shard`` it was gathered from (a second operand, read by nothing)
-    and the leaf's ``comm`` (``gather.LeafComm``). An identity in ``x`` the remat policy refuses
-    to save, as it refuses the gather it marks."""
-    return routable_p.bind(x, shard, comm=comm)
+def mark_routable(x: jax.Array, shard: jax.Array, comm: Any, freed: bool = True) -> jax.Array:
+    """``x``, a gathered leaf whose matmuls and row lookups may form its gradient from exchanged
+    activations, marked for the step that finds them ([Note: weight gradient route] in
+    ``weight_route.py``, [Note: row lookup route] in ``lookup_route.py``) with what they need: the
+    ``shard`` it was gathered from (a second operand, read by nothing), the leaf's ``comm``
+    (``gather.LeafComm``) and whether its unit frees it after forward (``freed``: a matmul is
+    routed only then, a lookup either way). An identity in ``x`` the remat policy refuses to save,
+    as it refuses the gather it marks."""
+    return routable_p.bind(x, shard, comm=comm, freed=freed)
 
 
-def _routable_jvp(primals, tangents, *, comm):
+def _routable_jvp(primals, tangents, **params):
     (x, shard), (dx, _) = primals, tangents
-    return routable_p.bind(x, shard, comm=comm), routable_p.bind(ad.instantiate_zeros(dx), shard, comm=comm)
+    return routable_p.bind(x, shard, **params), routable_p.bind(ad.instantiate_zeros(dx), shard, **params)
 
 
-routable_p.def_impl(lambda x, shard, *, comm: x)
-routable_p.def_abstract_eval(lambda x, shard, *, comm: x)
-mlir.register_lowering(routable_p, mlir.lower_fun(lambda x, shard, *, comm: x, multiple_results=False))
+routable_p.def_impl(lambda x, shard, **_: x)
+routable_p.def_abstract_eval(lambda x, shard, **_: x)
+mlir.register_lowering(routable_p, mlir.lower_fun(lambda x, shard, **_: x, multiple_results=False))
 ad.primitive_jvps[routable_p] = _routable_jvp
-ad.primitive_transposes[routable_p] = lambda ct, x, shard, *, comm: [ct, None]
-batching.primitive_batchers[routable_p] = lambda args, dims, *, comm: (args[0], dims[0])
+ad.primitive_transposes[routable_p] = lambda ct, x, shard, **_: [ct, None]
+batching.primitive_batchers[routable_p] = lambda args, dims, **_: (args[0], dims[0])
 
 
 pack_p = jax.extend.core.Primitive("jshard_pack")

@@ -60,6 +60,7 @@ from jax.extend import core as jcore
 from jshard._step import collectives as C
 from jshard._step.block_route import block_count, blocked_matmul, contract
 from jshard._step.gather import LeafComm, reduce_summed, scatter_native
+from jshard._step.lookup_route import inline_lookups, routed_lookup_eqn
 from jshard._step.remat import (
     REMAT_POLICY,
     checkpoint_primitive,
@@ -121,13 +122,15 @@ def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcor
       >>> route_matmuls(closed) is closed  # nothing marked
       True
     """
-    return _routed_closed(closed, here=policy is REMAT_POLICY)
+    return _routed_closed(closed, _ROUTES if policy is REMAT_POLICY else frozenset())
 
 
 def route_whole(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """``jaxpr``, code recomputed in backward (a checkpoint under another policy than jshard's, or
     a segment of unrolled code under a ``remat_policy``, cut and checkpointed by ``segments.py``),
-    with the ``x @ w`` of its marked matrices routed, all of them or none (see the Note).
+    with the ``x @ w`` of its marked matrices routed, all of them or none (see the Note), and its
+    row lookups of marked tables routed either way ([Note: row lookup route] in
+    ``lookup_route.py``: their residuals are the ids).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -137,34 +140,39 @@ def route_whole(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """
     if _marks_blocks(jaxpr):  # its blocks' backward would gather a third time ([Note: weight gradient blocks])
         return jaxpr
-    routed = _routed_jaxpr(jaxpr, here=True)
-    return jaxpr if _still_gathers(routed) else routed
+    routed = _routed_jaxpr(jaxpr, _ROUTES)
+    return _routed_jaxpr(jaxpr, frozenset({"gather"})) if _still_gathers(routed) else routed
 
 
-# ``here``, below: whether the matmuls of this jaxpr itself are routed (not at the top level of a
-# loss under a ``remat_policy``, whose unrolled segments are routed by :func:`route_whole`).
+# ``routes``, below: the primitives of this jaxpr itself that are routed, matmuls (``dot_general``)
+# and row lookups (``gather``); none at the top level of a loss under a ``remat_policy``, whose
+# unrolled segments are routed by :func:`route_whole`.
+_ROUTES = frozenset({"dot_general", "gather"})
 
 
-def _routed_closed(closed: jcore.ClosedJaxpr, here: bool) -> jcore.ClosedJaxpr:
-    jaxpr = _routed_jaxpr(closed.jaxpr, here)
+def _routed_closed(closed: jcore.ClosedJaxpr, routes: frozenset[str]) -> jcore.ClosedJaxpr:
+    jaxpr = _routed_jaxpr(closed.jaxpr, routes)
     return closed if jaxpr is closed.jaxpr else jcore.ClosedJaxpr(jaxpr, closed.consts)
 
 
-def _routed_jaxpr(jaxpr: jcore.Jaxpr, here: bool) -> jcore.Jaxpr:
-    """``jaxpr`` with its matmuls routed, in the loop bodies and checkpoints it runs too."""
-    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    eqns, changed = [], False
-    for eqn in jaxpr.eqns:
+def _routed_jaxpr(jaxpr: jcore.Jaxpr, routes: frozenset[str]) -> jcore.Jaxpr:
+    """``jaxpr`` with its matmuls and lookups routed, in the loop bodies and checkpoints it runs too."""
+    source = inline_lookups(jaxpr.eqns) if "gather" in routes else jaxpr.eqns
+    made = {v: eqn for eqn in source for v in eqn.outvars}
+    eqns, changed = [], source is not jaxpr.eqns
+    for eqn in source:
         if eqn.primitive.name == "dot_general":
-            routed = _routed(eqn, made) if here else eqn
+            routed = _routed(eqn, made) if "dot_general" in routes else eqn
+        elif eqn.primitive.name == "gather":
+            routed = routed_lookup_eqn(eqn, made) if "gather" in routes else eqn
         else:
-            routed = _routed_inside(eqn, here)
+            routed = _routed_inside(eqn, routes)
         changed |= routed is not eqn
         eqns.append(routed)
     return jaxpr.replace(eqns=_live(eqns, jaxpr.outvars)) if changed else jaxpr
 
 
-def _routed_inside(eqn: Any, here: bool) -> Any:
+def _routed_inside(eqn: Any, routes: frozenset[str]) -> Any:
     """``eqn`` with the matmuls of its nested jaxprs routed, where it is a loop (``js.scan``,
     ``nnx.scan``, ``nn.scan``), a ``jit`` or a checkpoint: one of jshard's own policy (a stacked
     layer's under it) as its surroundings; one under another policy (a recomputed layer: the
@@ -180,10 +188,10 @@ def _routed_inside(eqn: Any, here: bool) -> Any:
     for key in _NESTED.get(eqn.primitive.name, ("jaxpr",)):
         value = eqn.params[key]
         if isinstance(value, tuple):
-            routed = tuple(_routed_closed(v, here) for v in value)
+            routed = tuple(_routed_closed(v, routes) for v in value)
             changed = any(r is not v for r, v in zip(routed, value, strict=True))
         else:
-            routed = (_routed_closed if isinstance(value, jcore.ClosedJaxpr) else _routed_jaxpr)(value, here)
+            routed = (_routed_closed if isinstance(value, jcore.ClosedJaxpr) else _routed_jaxpr)(value, routes)
             changed = routed is not value
         if changed:
             params[key] = routed
@@ -194,12 +202,12 @@ def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
     """Whether ``jaxpr`` (or a jaxpr nested in it) still reads a marked matrix gathered: a mark the
     route left live (a use that is not ``x @ w``, one that sends less gathered, or one in a
     custom derivative)."""
-    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p)
+    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p and eqn.params["freed"])
 
 
 def _marks_blocks(jaxpr: jcore.Jaxpr) -> bool:
     """Whether ``jaxpr`` (or a jaxpr nested in it) marks a matrix whose gradient is reduced in blocks."""
-    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p
+    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p and eqn.params["freed"]
                   and eqn.params["comm"].policy.weight_gradients == "in_blocks")
 
 
@@ -219,7 +227,7 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
-    if mark is None or mark.primitive is not routable_p:
+    if mark is None or mark.primitive is not routable_p or not mark.params["freed"]:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
     if comm.policy.weight_gradients == "in_blocks":  # [Note: weight gradient blocks]

@@ -1,0 +1,162 @@
+"""Row lookups of a gathered table (an embedding) formed from exchanged activations.
+
+[Note: row lookup route] A lookup ``table[ids]`` (``jnp.take(table, ids, axis=0)``, ``nnx.Embed``,
+``nn.Embed``) of a gathered ``[V, D]`` table reads ``T`` of its rows per device, but FSDP gathers
+all ``V`` of them (``V D (n-1)/n`` elements sent, ``V D`` held) and reduces a whole ``[V, D]``
+gradient that is zero outside those rows (the same again, beside its scatter-add's buffer and, on
+v4 and v5p, a copy padded for the first torus phase). With
+``FullyShardPolicy(weight_gradients="from_activations")`` a marked table (``LeafComm.routable``)
+is looked up on the shard instead, by :func:`routed_lookup`, where that sends fewer elements
+(:func:`lookup_sends_less`: fewer tokens per device than ``V`` rows, roughly). Each device holds
+``D/n`` columns of every row (its shard if the table is sharded on its second dim; an all-to-all
+of its shard, ``V D (n-1)/n^2`` elements, if on its first), gathers every device's ids, looks up
+its columns of every token and sends each device its tokens' columns back (an all-to-all of
+``T D (n-1)/n``). Backward exchanges ``dy`` the other way, scatter-adds every device's tokens into
+this device's columns (already summed over the devices, in ``reduce_dtype``) and, for a table
+sharded on its first dim, sends the columns' rows to their shards: the gradient is finished as
+a reduced one (``gather.reduce_summed``). Neither the gathered table nor its whole gradient
+exists. The lookup keeps the gather's own mode and fill value (every device sees all ``V``
+rows, so ids out of range behave as they would on the whole table). Unlike a matmul's route
+(which needs the gathered matrix freed after forward to save anything), a lookup is routed in a
+unit that keeps its leaves too (the root): the gathered table is then not kept either, if
+nothing else reads it. ``jnp.take`` wraps its ``gather`` in a ``jit``: a ``jit`` that reads a
+marked table is inlined first (:func:`inline_lookups`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from jshard._step import collectives as C
+from jshard._step.gather import LeafComm, reduce_summed
+from jshard._step.remat import routable_p
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def routed_lookup(comm: LeafComm, params: tuple[tuple[str, Any], ...], ids: jax.Array,
+                  shard: jax.Array) -> jax.Array:
+    """``gather(table, ids)`` of the table gathered from ``shard``, formed on the shard from
+    exchanged ids and activations (see the Note); ``params``: the ``gather``'s own, as items;
+    ``ids``: its indices ``[..., 1]``."""
+    return _fwd(comm, params, ids, shard)[0]
+
+
+def _columns(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    """``[V, D/n]``: this device's columns of every row of the table."""
+    w = shard.astype(comm.param_dtype)
+    return w if comm.layout.dim == 1 else jax.lax.all_to_all(w, comm.axes.shard, 1, 0, tiled=True)
+
+
+def _lookup(params: tuple[tuple[str, Any], ...], columns: jax.Array, ids: jax.Array) -> jax.Array:
+    """The rows of ``columns`` for every device's ``ids`` (``[n T, 1]``), in the gather's own mode
+    and fill value (``params``): ``[n T, D/n]``."""
+    numbers = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+    return jax.lax.gather(columns, ids, numbers, (1, columns.shape[1]), **dict(params))
+
+
+def _fwd(comm, params, ids, shard):
+    axes = comm.axes.shard
+    every = C.all_gather(ids.reshape(-1, 1), axes, 0, phases=comm.axes.gather_phases)
+    y = jax.lax.all_to_all(_lookup(params, _columns(comm, shard), every), axes, 0, 1, tiled=True)
+    return y.reshape(ids.shape[:-1] + y.shape[-1:]), every
+
+
+def _bwd(comm, params, every, dy):
+    axes, (v, d) = comm.axes.shard, comm.layout.shape
+    mine = jax.lax.all_to_all(dy.reshape(-1, d), axes, 1, 0, tiled=True)
+    zeros = jnp.zeros((v, mine.shape[1]), comm.reduce_dtype)
+    _, scatter = jax.vjp(lambda columns: _lookup(params, columns, every), zeros)
+    (gradient,) = scatter(mine.astype(comm.reduce_dtype))
+    if comm.layout.dim == 0:  # each block of rows to the device whose shard it is
+        gradient = jax.lax.all_to_all(gradient, axes, 0, 1, tiled=True)
+    return None, reduce_summed(comm, gradient)
+
+
+routed_lookup.defvjp(_fwd, _bwd)
+
+
+def lookup_sends_less(tokens: int, v: int, d: int, dim: int, devices: int) -> bool:
+    """Whether looking up ``tokens`` rows per device of a ``[v, d]`` table sharded on ``dim``
+    over ``devices`` devices sends fewer elements per device routed (the ids gathered, the tokens'
+    columns exchanged, and for ``dim`` 0 the shard's columns exchanged) than gathering the table;
+    backward compares the same way with the gradient's reduction (see the Note).
+
+    Example:
+      >>> lookup_sends_less(2048, 128256, 4096, 0, 128), lookup_sends_less(4096, 1000, 64, 1, 8)
+      (True, False)
+    """
+    n = devices
+    routed = tokens * (n - 1) + tokens * d * (n - 1) / n + (v * d * (n - 1) / n**2 if dim == 0 else 0)
+    return routed < v * d * (n - 1) / n
+
+
+def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
+    """The equation of :func:`routed_lookup` for a row lookup ``gather`` of a marked table whose
+    route sends less (``made``: each variable's defining equation), else ``eqn``."""
+    table, ids = eqn.invars
+    mark = made.get(table) if not isinstance(table, jcore.Literal) else None
+    if mark is None or mark.primitive is not routable_p or not _row_lookup(eqn):
+        return eqn
+    (_, shard), comm = mark.invars, mark.params["comm"]
+    v, d = table.aval.shape
+    n = comm.axes.shard_size
+    if (comm.policy.weight_gradients != "from_activations" or d % n
+            or not lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n)):
+        return eqn
+    params = (("fill_value", eqn.params["fill_value"]), ("mode", eqn.params["mode"]))
+    fn = functools.partial(routed_lookup, comm, params)
+    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in (ids, shard)))
+    (call,) = traced.jaxpr.eqns
+    if traced.jaxpr.constvars or traced.consts:
+        return eqn
+    outer = dict(zip(traced.jaxpr.invars, (ids, shard), strict=True))
+    return call.replace(invars=[outer.get(x, x) for x in call.invars], outvars=list(eqn.outvars))
+
+
+def _row_lookup(eqn: Any) -> bool:
+    """Whether a ``gather`` takes whole rows of a 2-D operand by one index each (``jnp.take(w, ids,
+    axis=0)``)."""
+    table, ids = eqn.invars
+    numbers = eqn.params["dimension_numbers"]
+    return (table.aval.ndim == 2 and ids.aval.ndim >= 1 and ids.aval.shape[-1] == 1
+            and tuple(numbers.offset_dims) == (ids.aval.ndim - 1,) and tuple(numbers.collapsed_slice_dims) == (0,)
+            and tuple(numbers.start_index_map) == (0,) and not tuple(getattr(numbers, "operand_batching_dims", ()))
+            and tuple(eqn.params["slice_sizes"]) == (1, table.aval.shape[1]))
+
+
+def inline_lookups(eqns: list[Any]) -> list[Any]:
+    """``eqns`` with each ``jit`` that reads a marked table (``jnp.take`` of an embedding) replaced
+    by its body, so that its ``gather`` meets the mark; ``eqns`` itself where there is none."""
+    made = {v: eqn for eqn in eqns for v in eqn.outvars}
+    out, changed = [], False
+    for eqn in eqns:
+        body = _inlined(eqn) if eqn.primitive.name in ("jit", "pjit") and _reads_mark(eqn, made) else None
+        out.extend(body if body is not None else [eqn])
+        changed |= body is not None
+    return out if changed else eqns
+
+
+def _reads_mark(eqn: Any, made: dict[Any, Any]) -> bool:
+    return any(not isinstance(x, jcore.Literal) and x in made and made[x].primitive is routable_p
+               for x in eqn.invars)
+
+
+def _inlined(eqn: Any) -> list[Any] | None:
+    """The equations of a ``jit``'s body, traced afresh and wired to its operands and results, or
+    ``None`` where that cannot be done plainly (constants, a result that is an operand)."""
+    closed = eqn.params["jaxpr"]
+    body = jcore.jaxpr_as_fun(closed)
+    traced = jax.make_jaxpr(body)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in eqn.invars))
+    inner = traced.jaxpr
+    made = {v for e in inner.eqns for v in e.outvars}
+    if inner.constvars or traced.consts or len(set(map(id, inner.outvars))) != len(inner.outvars) \
+            or any(isinstance(v, jcore.Literal) or v not in made for v in inner.outvars):
+        return None
+    renamed = dict(zip(inner.invars, eqn.invars, strict=True)) | dict(zip(inner.outvars, eqn.outvars, strict=True))
+    return [e.replace(invars=[renamed.get(x, x) if not isinstance(x, jcore.Literal) else x for x in e.invars],
+                      outvars=[renamed.get(x, x) for x in e.outvars]) for e in inner.eqns]

@@ -1,0 +1,177 @@
+"""``FullyShardPolicy(weight_gradients="from_activations")`` on row lookups: an embedding table
+looked up on its shard with the ids and the tokens' columns exchanged, never gathered, its
+gradient never formed whole ([Note: row lookup route] in ``jshard/_step/lookup_route.py``).
+
+The model: a ``[256, 64]`` table looked up by ``jnp.take`` (4 tokens of 16 rows, 8 tokens per
+device: far fewer than its rows), averaged, and a root head; the table in a unit of its own
+(freed after forward) or in the root (kept), sharded on its rows or its columns.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jshard as js
+from jshard.flax import nnx as jnnx
+
+STEPS = 4
+V, D = 256, 64
+ROUTED = js.FullyShardPolicy(weight_gradients="from_activations")
+
+
+def _init():
+    rng = np.random.default_rng(0)
+    return {"emb": {"w": jnp.asarray(rng.normal(size=(V, D)) * 0.1, jnp.float32)},
+            "head": {"w": jnp.asarray(rng.normal(size=(D, 8)) / 8, jnp.float32)}}
+
+
+def _batches(tokens=4, top=V + 5):
+    """Ids up to ``top`` (past the table's last row: ``mode="clip"`` takes its last row)."""
+    rng = np.random.default_rng(1)
+    return [{"ids": jnp.asarray(rng.integers(0, top, size=(16, tokens)), jnp.int32),
+             "y": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)} for _ in range(STEPS)]
+
+
+def _loss(params, batch):
+    def unshard(u):
+        return js.unshard(u) if isinstance(u, js.FSDPUnit) else u
+
+    root = unshard(params)
+    e = jnp.take(unshard(root["emb"])["w"], batch["ids"], axis=0, mode="clip")
+    h = jnp.tanh(e.mean(1))
+    return jnp.mean((h @ root["head"]["w"] - batch["y"]) ** 2)
+
+
+def _train(params, grad_fn, batches):
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, grads = grad_fn(_loss)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state, losses = tx.init(params), []
+    for batch in batches:
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses, params, jax.jit(grad_fn(_loss)).lower(params, batches[0]).as_text()
+
+
+def _sharded(mesh, policy, own_unit, dim):
+    policy = js.FullyShardPolicy(weight_gradients=policy.weight_gradients, shard_placement_fn=lambda path, leaf: dim)
+    params = _init()
+    if own_unit:
+        params = {**params, "emb": js.fully_shard(params["emb"], mesh, policy)}
+    return js.fully_shard(params, mesh, policy)
+
+
+def _assert_close(got, want, tol=1e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    for (path, a), b in zip(jax.tree.flatten_with_path(got[1])[0], jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+def _ops(text):
+    return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("all_to_all", "reduce_scatter")}
+
+
+def _table_gathers(text):
+    return len(re.findall(rf"stablehlo\.all_gather.*-> tensor<{V}x{D}x", text))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, params, _ = _train(_init(), jax.value_and_grad, _batches())
+    return losses, params
+
+
+@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
+@pytest.mark.parametrize("own_unit", [True, False], ids=["own-unit", "root"])
+def test_parity_and_the_table_never_gathered(reference, replicate, dim, own_unit):
+    """SGD with momentum, several steps, ids past the table's end clipped: the unsharded
+    reference's losses and parameters, the table never gathered and its gradient not
+    reduce-scattered (only the head's is), with the reduced route beside it as a control."""
+    mesh = js.make_mesh(replicate=replicate)
+    grad = lambda f: js.value_and_grad(f, unshard_params=False)  # noqa: E731
+    losses, params, text = _train(_sharded(mesh, ROUTED, own_unit, dim), grad, _batches())
+    _assert_close((losses, js.unshard(params)), reference)
+    assert _table_gathers(text) == 0
+    # forward: the tokens' columns back (and, sharded on rows, the shard's columns); backward: dy's
+    # columns out (and the gradient's rows back to their shards)
+    assert _ops(text) == {"all_to_all": 4 if dim == 0 else 2, "reduce_scatter": 1}
+    reduced = _train(_sharded(mesh, js.FullyShardPolicy(), own_unit, dim), grad, _batches())
+    _assert_close((reduced[0], js.unshard(reduced[1])), reference)
+    assert _table_gathers(reduced[2]) == 1 and _ops(reduced[2]) == {"all_to_all": 0, "reduce_scatter": 2}
+
+
+def test_not_routed_where_gathering_sends_less():
+    """320 tokens per device of a 256-row table: the gather and the reduction send less, and are kept."""
+    mesh = js.make_mesh()
+    batches = _batches(tokens=160)
+    losses, params, text = _train(_sharded(mesh, ROUTED, True, 0), lambda f: js.value_and_grad(f), batches)
+    want = _train(_init(), jax.value_and_grad, batches)
+    _assert_close((losses, js.unshard(params)), want[:2])
+    assert _table_gathers(text) == 1 and _ops(text) == {"all_to_all": 0, "reduce_scatter": 2}
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
+def test_routed_under_a_remat_policy(reference, dim):
+    """Under ``nothing_saveable`` the unrolled code is cut into segments, each routed whole or
+    not at all for its matmuls; a lookup is routed either way (its residuals are the ids)."""
+    grad = lambda f: js.value_and_grad(f, remat_policy=jax.checkpoint_policies.nothing_saveable)  # noqa: E731
+    losses, params, text = _train(_sharded(js.make_mesh(), ROUTED, True, dim), grad, _batches())
+    _assert_close((losses, js.unshard(params)), reference)
+    assert _table_gathers(text) == 0
+
+
+class _Tagger(nnx.Module):
+    """An ``nnx.Embed`` (its ``jnp.take`` inside a ``jit``) and a linear head, as Flax writes them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.head = nnx.Linear(D, 8, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.head(jnp.tanh(self.embed(ids).mean(1)))
+
+
+def _train_nnx(model, grad_fn):
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["ids"]) - batch["y"]) ** 2)
+
+    @jax.jit
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = grad_fn(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    losses = []
+    batches = _batches(top=V)
+    for batch in batches:
+        loss, state = step(state, batch)
+        losses.append(float(loss))
+    model, _ = nnx.merge(graphdef, state)
+    return losses, model, step.lower(state, batches[0]).as_text()
+
+
+def test_nnx_embed_trains_as_unsharded_nnx():
+    """``nnx.Embed`` in a unit of its own with the option, the model the root: trains as unsharded
+    NNX does, its table never gathered."""
+    ref_losses, ref_model, _ = _train_nnx(_Tagger(nnx.Rngs(0)), nnx.value_and_grad)
+    model = _Tagger(nnx.Rngs(0))
+    jnnx.fully_shard(model.embed, policy=ROUTED)
+    losses, model, text = _train_nnx(jnnx.fully_shard(model), jnnx.value_and_grad)
+    _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
+                  (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))))
+    assert _table_gathers(text) == 0 and _ops(text)["all_to_all"] == 4
