@@ -48,11 +48,17 @@ def _loss(params, batch):
 
 
 def _train(params, grad_fn, batches):
+    return _train_loss(_loss, params, grad_fn, batches)
+
+
+def _train_loss(loss_fn, params, grad_fn, batches):
+    """SGD with momentum on ``loss_fn`` through ``grad_fn(loss_fn)``: the losses, the parameters,
+    and the lowered step's text."""
     tx = optax.sgd(0.1, momentum=0.9)
 
     @jax.jit
     def step(p, s, batch):
-        loss, grads = grad_fn(_loss)(p, batch)
+        loss, grads = grad_fn(loss_fn)(p, batch)
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
@@ -60,7 +66,7 @@ def _train(params, grad_fn, batches):
     for batch in batches:
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
-    return losses, params, jax.jit(grad_fn(_loss)).lower(params, batches[0]).as_text()
+    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, batches[0]).as_text()
 
 
 def _sharded(mesh, policy, own_unit, dim):
@@ -131,6 +137,28 @@ def test_routed_under_a_remat_policy(reference, dim):
     assert _table_gathers(text) == 0
 
 
+def _tied_loss(params, batch):
+    """The table looked up and read again as the head (``h @ table.T``, a matmul the route leaves
+    gathered): the lookup's gradient, routed, and the matmul's, reduced, add up."""
+    table = js.unshard(params["emb"])["w"] if isinstance(params["emb"], js.FSDPUnit) else params["emb"]["w"]
+    h = jnp.tanh(jnp.take(table, batch["ids"], axis=0, mode="clip").mean(1))
+    return jnp.mean(((h @ table.T)[:, :8] - batch["y"]) ** 2)
+
+
+def test_a_tied_table_keeps_its_gather_for_the_matmul():
+    """Parity with the unsharded step where the table is also the head: its lookup is routed, its
+    matmul keeps the gather and the reduction."""
+    mesh = js.make_mesh()
+    params = _init()
+    want = _train_loss(_tied_loss, params, jax.value_and_grad, _batches())
+    units = {"emb": js.fully_shard(params["emb"], mesh, ROUTED), "head": params["head"]}
+    losses, got, text = _train_loss(_tied_loss, js.fully_shard(units, mesh, ROUTED),
+                                    lambda f: js.value_and_grad(f, unshard_params=False), _batches())
+    _assert_close((losses, js.unshard(got)), want[:2])
+    assert _table_gathers(text) == 2  # for the head's matmul, forward and backward, as reduced
+    assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 1}  # the lookup on the shard; the matmul's reduced
+
+
 class _Tagger(nnx.Module):
     """An ``nnx.Embed`` (its ``jnp.take`` inside a ``jit``) and a linear head, as Flax writes them."""
 
@@ -175,3 +203,43 @@ def test_nnx_embed_trains_as_unsharded_nnx():
     _assert_close((losses, nnx.to_pure_dict(nnx.state(jnnx.unshard(model), nnx.Param))),
                   (ref_losses, nnx.to_pure_dict(nnx.state(ref_model, nnx.Param))))
     assert _table_gathers(text) == 0 and _ops(text)["all_to_all"] == 4
+
+
+def test_hugging_face_gpt2_trains_as_unsharded():
+    """Hugging Face's Flax GPT-2, its code unchanged (``nn.Embed`` for tokens and positions, the
+    token table tied to the head through ``attend``), the root unit routed: trains as the unsharded
+    model does; both tables are looked up on their shards (24 tokens a device, 64 rows each), the
+    token table stays gathered for the head's matmul."""
+    import transformers
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+
+    from jshard.flax import linen as jlinen
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    with jax.numpy_dtype_promotion("standard"):  # Hugging Face's code mixes dtypes implicitly
+        model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    ids = jax.random.randint(jax.random.key(1), (16, 12), 0, 64)
+
+    def loss_fn(params, input_ids):
+        logits = model(input_ids, params=params).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], input_ids[:, 1:]).mean()
+
+    units = jlinen.ModuleUnits(FlaxGPT2Block, root_policy=ROUTED)
+    with jax.numpy_dtype_promotion("standard"):
+        params = jlinen.shard_params(lambda p, i: model(i, params=p), model.params, ids, units=units)
+        grad_fn = jax.jit(jlinen.value_and_grad(loss_fn, units=units))
+        ref_fn, tx = jax.jit(jax.value_and_grad(loss_fn)), optax.sgd(0.1, momentum=0.9)
+        ref, ref_state, state = model.params, tx.init(model.params), tx.init(params)
+        for _ in range(STEPS):
+            loss, grads = grad_fn(params, ids)
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            ref_loss, ref_grads = ref_fn(ref, ids)
+            updates, ref_state = tx.update(ref_grads, ref_state, ref)
+            ref = optax.apply_updates(ref, updates)
+            np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        text = grad_fn.lower(params, ids).as_text()
+    for a, b in zip(jax.tree.leaves(js.unshard(params)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x32x", text)) == 1  # wte, for the head
+    assert _ops(text)["all_to_all"] == 8  # wte and wpe looked up on their shards
