@@ -130,20 +130,26 @@ def _row_lookup(eqn: Any) -> bool:
 
 
 def inline_lookups(eqns: list[Any]) -> list[Any]:
-    """``eqns`` with each ``jit`` that reads a marked table (``jnp.take`` of an embedding) replaced
-    by its body, so that its ``gather`` meets the mark; ``eqns`` itself where there is none."""
+    """``eqns`` with each ``jit`` that looks up rows of a marked table (``jnp.take`` of an
+    embedding) replaced by its body, so that its ``gather`` meets the mark; ``eqns`` itself where
+    there is none."""
     made = {v: eqn for eqn in eqns for v in eqn.outvars}
     out, changed = [], False
     for eqn in eqns:
-        body = _inlined(eqn) if eqn.primitive.name in ("jit", "pjit") and _reads_mark(eqn, made) else None
+        body = _inlined(eqn) if _looks_up_mark(eqn, made) else None
         out.extend(body if body is not None else [eqn])
         changed |= body is not None
     return out if changed else eqns
 
 
-def _reads_mark(eqn: Any, made: dict[Any, Any]) -> bool:
-    return any(not isinstance(x, jcore.Literal) and x in made and made[x].primitive is routable_p
-               for x in eqn.invars)
+def _looks_up_mark(eqn: Any, made: dict[Any, Any]) -> bool:
+    """Whether ``eqn`` is a ``jit`` whose body looks up rows of an operand that is a marked table."""
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return False
+    inner = eqn.params["jaxpr"].jaxpr
+    marked = {v for v, x in zip(inner.invars, eqn.invars, strict=True)
+              if not isinstance(x, jcore.Literal) and x in made and made[x].primitive is routable_p}
+    return any(e.primitive.name == "gather" and e.invars[0] in marked and _row_lookup(e) for e in inner.eqns)
 
 
 def _inlined(eqn: Any) -> list[Any] | None:
