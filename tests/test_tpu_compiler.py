@@ -881,6 +881,35 @@ def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
     assert not [line for line in scatters if f"[{cfg.seq_len},{cfg.vocab}]" in line or "scatter_offload" in line]
 
 
+def test_the_demo_llamas_embedding_is_looked_up_on_its_shard_on_v5p():
+    """[Note: row lookup route]: with ``weight_gradients="from_activations"`` the demo Llama's
+    embedding (512 rows, 32 tokens a device) is neither gathered nor reduced whole in the program
+    XLA:TPU compiles: its all-gather and its gradient's scatter into the whole table are gone, four
+    all-to-alls take their place (the shard's columns, the tokens' columns, ``dy``'s columns, the
+    gradient's rows), and the temporaries fall (float32 reduction: 7725536 -> 7692832 bytes on libtpu
+    0.0.42.1)."""
+    import re
+
+    from benchmarks.memory_sweep import target_mesh
+    from jshard.demo import llama3
+
+    cfg, mesh = llama3.TINY, target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    compiled = {}
+    for route in ("reduced", "from_activations"):
+        config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True, weight_gradients=route)
+        step, args, _ = llama3.build_nnx_model(mesh, config, cfg)
+        compiled[route] = step.lower(*args).compile()
+    table = f"[{cfg.vocab},{cfg.dim}]"
+    for route, program in compiled.items():
+        text, routed = program.as_text(), route == "from_activations"
+        gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+        assert any(table in g for g in gathers) != routed, route
+        assert len(re.findall(r"= \S+ all-to-all\(", text)) == (4 if routed else 0)
+        assert any(re.search(rf"= \S+{re.escape(table)}\S* scatter\(", line) for line in text.splitlines()) != routed
+    temp = {route: Memory.from_compiled(program).temp for route, program in compiled.items()}
+    assert temp["from_activations"] < temp["reduced"]
+
+
 # Compiling the 8B programs for 128 chips takes 2 (NNX) and 4 (Hugging Face, 32 unrolled layers)
 # minutes here: the slow run.
 @pytest.mark.slow
