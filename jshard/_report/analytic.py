@@ -13,9 +13,10 @@ Padding is counted (it is gathered and reduced too), so these are the exact figu
 step should reach; ``params`` (Ψ) is also given without padding. The backward
 re-gather is an upper bound: XLA drops the re-gather of a leaf whose value backward
 does not need (an added bias), so a measured/analytic all-gather ratio a little below 1
-is expected. A matrix whose matmuls are routed (``weight_gradients="from_activations"``)
-sends activations instead, fewer elements than these figures per matmul ([Note: weight gradient
-route]); they are not modelled, so the figures bound such a step from above.
+is expected. A matrix whose matmuls or row lookups are routed (``weight_gradients=
+"from_activations"``) sends activations instead, fewer elements than these figures ([Note: weight
+gradient route], [Note: row lookup route]); they are not modelled, so the figures bound such a
+step from above.
 """
 
 from __future__ import annotations
