@@ -127,12 +127,16 @@ def test_not_routed_where_gathering_sends_less():
     assert _table_gathers(text) == 1 and _ops(text) == {"all_to_all": 0, "reduce_scatter": 2}
 
 
-@pytest.mark.parametrize("dim", [0, 1], ids=["rows", "columns"])
-def test_routed_under_a_remat_policy(reference, dim):
+@pytest.mark.parametrize("dim, replicate, microbatches", [(0, 1, 1), (1, 1, 1), (0, 2, 2)],
+                         ids=["rows", "columns", "rows-hsdp-accumulated"])
+def test_routed_under_a_remat_policy(reference, dim, replicate, microbatches):
     """Under ``nothing_saveable`` the unrolled code is cut into segments, each routed whole or
-    not at all for its matmuls; a lookup is routed either way (its residuals are the ids)."""
-    grad = lambda f: js.value_and_grad(f, remat_policy=jax.checkpoint_policies.nothing_saveable)  # noqa: E731
-    losses, params, text = _train(_sharded(js.make_mesh(), ROUTED, True, dim), grad, _batches())
+    not at all for its matmuls; a lookup is routed either way (its residuals are the ids); with
+    gradients accumulated over microbatches too."""
+    policy = jax.checkpoint_policies.nothing_saveable
+    grad = lambda f: js.value_and_grad(f, remat_policy=policy, microbatches=microbatches)  # noqa: E731
+    mesh = js.make_mesh(replicate=replicate)
+    losses, params, text = _train(_sharded(mesh, ROUTED, True, dim), grad, _batches())
     _assert_close((losses, js.unshard(params)), reference)
     assert _table_gathers(text) == 0
 
