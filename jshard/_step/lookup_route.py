@@ -19,8 +19,9 @@ exists. The lookup keeps the gather's own mode and fill value (every device sees
 rows, so ids out of range behave as they would on the whole table). Unlike a matmul's route
 (which needs the gathered matrix freed after forward to save anything), a lookup is routed in a
 unit that keeps its leaves too (the root): the gathered table is then not kept either, if
-nothing else reads it. ``jnp.take`` wraps its ``gather`` in a ``jit``: a ``jit`` that reads a
-marked table is inlined first (:func:`inline_lookups`).
+nothing else reads it. ``jnp.take`` wraps its ``gather`` in a ``jit``: a ``jit`` whose body looks
+up rows of a marked table is inlined first (:func:`inline_lookups`). Measured on the demo's Llama
+(docs/benchmarks.md, "Embedding lookups on the shard").
 """
 
 from __future__ import annotations
