@@ -10,6 +10,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -173,3 +174,21 @@ def docs_example_output(page: str, marker: str, capsys, *, after: str | None = N
             code = re.search(rf"<!-- {name} -->\s*```python\n(.*?)```", text, re.S).group(1)
             exec(compile(code, page, "exec"), namespace)
     return capsys.readouterr().out.split("\n")
+
+
+def train_sgd(loss_fn, params, grad_fn, batches):
+    """SGD with momentum (0.1, 0.9) on ``loss_fn`` through ``grad_fn(loss_fn)`` over ``batches``:
+    the losses, the parameters, and the lowered step's text (the weight-gradient routes' parity tests)."""
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def step(p, s, batch):
+        loss, grads = grad_fn(loss_fn)(p, batch)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state, losses = tx.init(params), []
+    for batch in batches:
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, batches[0]).as_text()

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import train_sgd
 
 import jshard as js
 from jshard.flax import nnx as jnnx
@@ -48,25 +49,7 @@ def _loss(params, batch):
 
 
 def _train(params, grad_fn, batches):
-    return _train_loss(_loss, params, grad_fn, batches)
-
-
-def _train_loss(loss_fn, params, grad_fn, batches):
-    """SGD with momentum on ``loss_fn`` through ``grad_fn(loss_fn)``: the losses, the parameters,
-    and the lowered step's text."""
-    tx = optax.sgd(0.1, momentum=0.9)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, grads = grad_fn(loss_fn)(p, batch)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = tx.init(params), []
-    for batch in batches:
-        params, state, loss = step(params, state, batch)
-        losses.append(float(loss))
-    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, batches[0]).as_text()
+    return train_sgd(_loss, params, grad_fn, batches)
 
 
 def _sharded(mesh, policy, own_unit, dim):
@@ -154,9 +137,9 @@ def test_a_tied_table_keeps_its_gather_for_the_matmul():
     matmul keeps the gather and the reduction."""
     mesh = js.make_mesh()
     params = _init()
-    want = _train_loss(_tied_loss, params, jax.value_and_grad, _batches())
+    want = train_sgd(_tied_loss, params, jax.value_and_grad, _batches())
     units = {"emb": js.fully_shard(params["emb"], mesh, ROUTED), "head": params["head"]}
-    losses, got, text = _train_loss(_tied_loss, js.fully_shard(units, mesh, ROUTED),
+    losses, got, text = train_sgd(_tied_loss, js.fully_shard(units, mesh, ROUTED),
                                     lambda f: js.value_and_grad(f, unshard_params=False), _batches())
     _assert_close((losses, js.unshard(got)), want[:2])
     assert _table_gathers(text) == 2  # for the head's matmul, forward and backward, as reduced

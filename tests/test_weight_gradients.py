@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import collective_dtypes
+from helpers import collective_dtypes, train_sgd
 
 import jshard as js
 from jshard.flax import linen as jlinen
@@ -302,21 +302,7 @@ def _stacked_units(init, mesh, policy=ROUTED):
 
 
 def _train_loss(loss_fn, params, grad_fn):
-    """SGD with momentum on ``loss_fn`` through ``grad_fn(loss_fn)``: the losses, the parameters,
-    and the lowered step's text."""
-    tx = optax.sgd(0.1, momentum=0.9)
-
-    @jax.jit
-    def step(p, s, batch):
-        loss, grads = grad_fn(loss_fn)(p, batch)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = tx.init(params), []
-    for batch in _batches():
-        params, state, loss = step(params, state, batch)
-        losses.append(float(loss))
-    return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, _batches()[0]).as_text()
+    return train_sgd(loss_fn, params, grad_fn, _batches())
 
 
 def _train_stacked(params, grad_fn):

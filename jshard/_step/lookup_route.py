@@ -35,7 +35,7 @@ from jax.extend import core as jcore
 
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm, reduce_summed
-from jshard._step.remat import routable_p
+from jshard._step.remat import call_equation, routable_p
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -110,13 +110,7 @@ def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
             or not lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n)):
         return eqn
     params = (("fill_value", eqn.params["fill_value"]), ("mode", eqn.params["mode"]))
-    fn = functools.partial(routed_lookup, comm, params)
-    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in (ids, shard)))
-    (call,) = traced.jaxpr.eqns
-    if traced.jaxpr.constvars or traced.consts:
-        return eqn
-    outer = dict(zip(traced.jaxpr.invars, (ids, shard), strict=True))
-    return call.replace(invars=[outer.get(x, x) for x in call.invars], outvars=list(eqn.outvars))
+    return call_equation(functools.partial(routed_lookup, comm, params), [ids, shard], eqn.outvars) or eqn
 
 
 def _row_lookup(eqn: Any) -> bool:

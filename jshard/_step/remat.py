@@ -267,6 +267,25 @@ def loop_policy(policy: Any) -> Any:
     return _loop_policy if policy is REMAT_POLICY else policy
 
 
+def call_equation(fn: Any, operands: list[Any], outvars: list[Any]) -> Any:
+    """The one equation ``fn`` traces to (a ``custom_vjp`` call) on ``operands``' avals, reading
+    ``operands`` and writing ``outvars``: an equation's replacement in the jaxpr it came from, or
+    ``None`` where ``fn`` traces to more, or captures constants.
+
+    Example:
+      >>> closed = jax.make_jaxpr(lambda x: x * 2)(1.0)
+      >>> (eqn,) = closed.jaxpr.eqns
+      >>> call_equation(lambda x: -x, eqn.invars[:1], eqn.outvars).primitive.name
+      'neg'
+    """
+    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in operands))
+    if len(traced.jaxpr.eqns) != 1 or traced.jaxpr.constvars or traced.consts:
+        return None
+    (call,) = traced.jaxpr.eqns
+    outer = dict(zip(traced.jaxpr.invars, operands, strict=True))
+    return call.replace(invars=[outer.get(v, v) for v in call.invars], outvars=list(outvars))
+
+
 def sub_jaxprs(eqn: Any) -> list[Any]:
     """The jaxprs nested in ``eqn``'s parameters (a loop's body, a checkpoint's, a branch)."""
     found = []

@@ -63,6 +63,7 @@ from jshard._step.gather import LeafComm, reduce_summed, scatter_native
 from jshard._step.lookup_route import inline_lookups, routed_lookup_eqn
 from jshard._step.remat import (
     REMAT_POLICY,
+    call_equation,
     checkpoint_primitive,
     loop_policy,
     routable_p,
@@ -240,12 +241,7 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     else:
         return eqn
     fn = functools.partial(matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
-    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in (x, shard)))
-    (call,) = traced.jaxpr.eqns
-    if traced.jaxpr.constvars or traced.consts:
-        return eqn
-    outer = dict(zip(traced.jaxpr.invars, (x, shard), strict=True))
-    return call.replace(invars=[outer.get(v, v) for v in call.invars], outvars=list(eqn.outvars))
+    return call_equation(fn, [x, shard], eqn.outvars) or eqn
 
 
 def sends_less(rows: int, k: int, n: int, dim: int, devices: int) -> bool:
