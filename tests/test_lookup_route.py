@@ -110,6 +110,21 @@ def test_not_routed_where_gathering_sends_less():
     assert _table_gathers(text) == 1 and _ops(text) == {"all_to_all": 0, "reduce_scatter": 2}
 
 
+def test_not_routed_where_the_devices_do_not_divide_the_columns():
+    """A ``[256, 60]`` table sharded on its rows over 8 devices: its columns cannot be dealt out
+    evenly, so it keeps the gather and the reduction, and trains as the unsharded table does."""
+    rng = np.random.default_rng(2)
+    init = {"emb": {"w": jnp.asarray(rng.normal(size=(V, 60)) * 0.1, jnp.float32)},
+            "head": {"w": jnp.asarray(rng.normal(size=(60, 8)) / 8, jnp.float32)}}
+    mesh = js.make_mesh()
+    sharded = js.fully_shard({**init, "emb": js.fully_shard(init["emb"], mesh, ROUTED)}, mesh, ROUTED)
+    losses, params, text = _train(sharded, lambda f: js.value_and_grad(f), _batches())
+    want = _train(init, jax.value_and_grad, _batches())
+    _assert_close((losses, js.unshard(params)), want[:2])
+    assert len(re.findall(rf"stablehlo\.all_gather.*-> tensor<{V}x60x", text)) == 1
+    assert _ops(text)["all_to_all"] == 0
+
+
 @pytest.mark.parametrize("dim, replicate, microbatches", [(0, 1, 1), (1, 1, 1), (0, 2, 2)],
                          ids=["rows", "columns", "rows-hsdp-accumulated"])
 def test_routed_under_a_remat_policy(reference, dim, replicate, microbatches):
