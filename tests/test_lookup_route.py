@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import train_sgd
+from helpers import collective_dtypes, train_sgd
 
 import jshard as js
 from jshard.flax import nnx as jnnx
@@ -98,6 +98,27 @@ def test_parity_and_the_table_never_gathered(reference, replicate, dim, own_unit
     reduced = _train(_sharded(mesh, js.FullyShardPolicy(), own_unit, dim), grad, _batches())
     _assert_close((reduced[0], js.unshard(reduced[1])), reference)
     assert _table_gathers(reduced[2]) == 1 and _ops(reduced[2]) == {"all_to_all": 0, "reduce_scatter": 2}
+
+
+def test_mixed_precision_exchanges_tokens_in_param_dtype_and_the_gradient_in_reduce_dtype():
+    """bf16 parameters, float32 reduction, HSDP: the shard's columns, the tokens' columns and
+    ``dy``'s (the cotangent as it comes) go in bf16; the scatter-add sums every device's tokens in
+    ``reduce_dtype``, so the gradient's rows and its replicas' all-reduce go in float32; training
+    follows the same policy with the table gathered and reduced."""
+    mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+    mesh, grad = js.make_mesh(replicate=2), lambda f: js.value_and_grad(f, unshard_params=False)  # noqa: E731
+    runs = {}
+    for name, route in (("routed", "from_activations"), ("reduced", "reduced")):
+        policy = js.FullyShardPolicy(mp_policy=mp, weight_gradients=route)
+        init = _init()
+        runs[name] = _train(js.fully_shard({**init, "emb": js.fully_shard(init["emb"], mesh, policy)}, mesh, policy),
+                            grad, _batches())
+    _assert_close((runs["routed"][0], js.unshard(runs["routed"][1])),
+                  (runs["reduced"][0], js.unshard(runs["reduced"][1])), 2e-3)
+    text = runs["routed"][2]
+    exchanges = re.findall(r"stablehlo\.all_to_all.*-> tensor<\S*x(bf16|f32)>", text)
+    assert sorted(exchanges) == ["bf16", "bf16", "bf16", "f32"]
+    assert "float32" in collective_dtypes(text)["all-reduce"]
 
 
 def test_not_routed_where_gathering_sends_less():
