@@ -35,7 +35,7 @@ from jax.extend import core as jcore
 
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm, reduce_summed
-from jshard._step.remat import call_equation, routable_p
+from jshard._step.remat import call_equation, marked, traced_equations
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -100,8 +100,8 @@ def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
     """The equation of :func:`routed_lookup` for a row lookup ``gather`` of a marked table whose
     route sends less (``made``: each variable's defining equation), else ``eqn``."""
     table, ids = eqn.invars
-    mark = made.get(table) if not isinstance(table, jcore.Literal) else None
-    if mark is None or mark.primitive is not routable_p or not _row_lookup(eqn):
+    mark = marked(table, made)
+    if mark is None or not _row_lookup(eqn):
         return eqn
     (_, shard), comm = mark.invars, mark.params["comm"]
     v, d = table.aval.shape
@@ -131,7 +131,9 @@ def inline_lookups(eqns: list[Any]) -> list[Any]:
     made = {v: eqn for eqn in eqns for v in eqn.outvars}
     out, changed = [], False
     for eqn in eqns:
-        body = _inlined(eqn) if _looks_up_mark(eqn, made) else None
+        body = None
+        if _looks_up_mark(eqn, made):  # its body traced afresh, wired to its operands and results
+            body = traced_equations(jcore.jaxpr_as_fun(eqn.params["jaxpr"]), eqn.invars, eqn.outvars)
         out.extend(body if body is not None else [eqn])
         changed |= body is not None
     return out if changed else eqns
@@ -142,22 +144,5 @@ def _looks_up_mark(eqn: Any, made: dict[Any, Any]) -> bool:
     if eqn.primitive.name not in ("jit", "pjit"):
         return False
     inner = eqn.params["jaxpr"].jaxpr
-    marked = {v for v, x in zip(inner.invars, eqn.invars, strict=True)
-              if not isinstance(x, jcore.Literal) and x in made and made[x].primitive is routable_p}
-    return any(e.primitive.name == "gather" and e.invars[0] in marked and _row_lookup(e) for e in inner.eqns)
-
-
-def _inlined(eqn: Any) -> list[Any] | None:
-    """The equations of a ``jit``'s body, traced afresh and wired to its operands and results, or
-    ``None`` where that cannot be done plainly (constants, a result that is an operand)."""
-    closed = eqn.params["jaxpr"]
-    body = jcore.jaxpr_as_fun(closed)
-    traced = jax.make_jaxpr(body)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in eqn.invars))
-    inner = traced.jaxpr
-    made = {v for e in inner.eqns for v in e.outvars}
-    if inner.constvars or traced.consts or len(set(map(id, inner.outvars))) != len(inner.outvars) \
-            or any(isinstance(v, jcore.Literal) or v not in made for v in inner.outvars):
-        return None
-    renamed = dict(zip(inner.invars, eqn.invars, strict=True)) | dict(zip(inner.outvars, eqn.outvars, strict=True))
-    return [e.replace(invars=[renamed.get(x, x) if not isinstance(x, jcore.Literal) else x for x in e.invars],
-                      outvars=[renamed.get(x, x) for x in e.outvars]) for e in inner.eqns]
+    tables = {v for v, x in zip(inner.invars, eqn.invars, strict=True) if marked(x, made) is not None}
+    return any(e.primitive.name == "gather" and e.invars[0] in tables and _row_lookup(e) for e in inner.eqns)

@@ -267,10 +267,32 @@ def loop_policy(policy: Any) -> Any:
     return _loop_policy if policy is REMAT_POLICY else policy
 
 
+def traced_equations(fn: Any, operands: list[Any], outvars: list[Any]) -> list[Any] | None:
+    """The equations ``fn`` traces to on ``operands``' avals, reading ``operands`` and writing
+    ``outvars``: what replaces an equation (a call of ``fn``'s) in the jaxpr it came from, or
+    ``None`` where that cannot be done plainly (constants captured, a result that is an operand, a
+    literal or another result).
+
+    Example:
+      >>> closed = jax.make_jaxpr(lambda x: x * 2)(1.0)
+      >>> (eqn,) = closed.jaxpr.eqns
+      >>> [e.primitive.name for e in traced_equations(lambda x: -x * 3, eqn.invars[:1], eqn.outvars)]
+      ['neg', 'mul']
+    """
+    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in operands))
+    inner = traced.jaxpr
+    made = {v for e in inner.eqns for v in e.outvars}
+    if inner.constvars or traced.consts or len(set(map(id, inner.outvars))) != len(inner.outvars) \
+            or any(isinstance(v, jax.extend.core.Literal) or v not in made for v in inner.outvars):
+        return None
+    renamed = dict(zip(inner.invars, operands, strict=True)) | dict(zip(inner.outvars, outvars, strict=True))
+    return [e.replace(invars=[x if isinstance(x, jax.extend.core.Literal) else renamed.get(x, x) for x in e.invars],
+                      outvars=[renamed.get(x, x) for x in e.outvars]) for e in inner.eqns]
+
+
 def call_equation(fn: Any, operands: list[Any], outvars: list[Any]) -> Any:
-    """The one equation ``fn`` traces to (a ``custom_vjp`` call) on ``operands``' avals, reading
-    ``operands`` and writing ``outvars``: an equation's replacement in the jaxpr it came from, or
-    ``None`` where ``fn`` traces to more, or captures constants.
+    """The one equation ``fn`` traces to (a ``custom_vjp`` call), wired as :func:`traced_equations`
+    wires it, or ``None`` where it traces to more.
 
     Example:
       >>> closed = jax.make_jaxpr(lambda x: x * 2)(1.0)
@@ -278,12 +300,15 @@ def call_equation(fn: Any, operands: list[Any], outvars: list[Any]) -> Any:
       >>> call_equation(lambda x: -x, eqn.invars[:1], eqn.outvars).primitive.name
       'neg'
     """
-    traced = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in operands))
-    if len(traced.jaxpr.eqns) != 1 or traced.jaxpr.constvars or traced.consts:
-        return None
-    (call,) = traced.jaxpr.eqns
-    outer = dict(zip(traced.jaxpr.invars, operands, strict=True))
-    return call.replace(invars=[outer.get(v, v) for v in call.invars], outvars=list(outvars))
+    eqns = traced_equations(fn, operands, outvars)
+    return eqns[0] if eqns is not None and len(eqns) == 1 else None
+
+
+def marked(x: Any, made: dict[Any, Any]) -> Any:
+    """The equation of :data:`routable_p` that made ``x`` (``made``: each variable's defining
+    equation), or ``None`` where ``x`` is no marked leaf."""
+    mark = None if isinstance(x, jax.extend.core.Literal) else made.get(x)
+    return mark if mark is not None and mark.primitive is routable_p else None
 
 
 def sub_jaxprs(eqn: Any) -> list[Any]:

@@ -66,6 +66,7 @@ from jshard._step.remat import (
     call_equation,
     checkpoint_primitive,
     loop_policy,
+    marked,
     routable_p,
     sub_jaxprs,
 )
@@ -227,8 +228,8 @@ def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
     """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
-    mark = made.get(eqn.invars[1]) if not isinstance(eqn.invars[1], jcore.Literal) else None
-    if mark is None or mark.primitive is not routable_p or not mark.params["freed"]:
+    mark = marked(eqn.invars[1], made)
+    if mark is None or not mark.params["freed"]:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
     if comm.policy.weight_gradients == "in_blocks":  # [Note: weight gradient blocks]
