@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -192,3 +193,24 @@ def train_sgd(loss_fn, params, grad_fn, batches):
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))
     return losses, params, jax.jit(grad_fn(loss_fn)).lower(params, batches[0]).as_text()
+
+
+def train_nnx_sgd(model, grad_fn, loss_fn, batches):
+    """:func:`train_sgd` for an NNX ``model`` (``nnx.Optimizer`` over its Params): the losses, the
+    trained model, and the lowered step's text."""
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    @jax.jit
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = grad_fn(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    losses = []
+    for batch in batches:
+        loss, state = step(state, batch)
+        losses.append(float(loss))
+    model, _ = nnx.merge(graphdef, state)
+    return losses, model, step.lower(state, batches[0]).as_text()

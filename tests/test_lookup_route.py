@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import collective_dtypes, train_sgd
+from helpers import collective_dtypes, train_nnx_sgd, train_sgd
 
 import jshard as js
 from jshard.flax import nnx as jnnx
@@ -194,26 +194,10 @@ class _Tagger(nnx.Module):
 
 
 def _train_nnx(model, grad_fn):
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
     def loss_fn(model, batch):
         return jnp.mean((model(batch["ids"]) - batch["y"]) ** 2)
 
-    @jax.jit
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = grad_fn(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss, nnx.state((model, optimizer))
-
-    losses = []
-    batches = _batches(top=V)
-    for batch in batches:
-        loss, state = step(state, batch)
-        losses.append(float(loss))
-    model, _ = nnx.merge(graphdef, state)
-    return losses, model, step.lower(state, batches[0]).as_text()
+    return train_nnx_sgd(model, grad_fn, loss_fn, _batches(top=V))
 
 
 def test_nnx_embed_trains_as_unsharded_nnx():

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import collective_dtypes, train_sgd
+from helpers import collective_dtypes, train_nnx_sgd, train_sgd
 
 import jshard as js
 from jshard.flax import linen as jlinen
@@ -234,22 +234,7 @@ def _nnx_loss(model, batch):
 
 
 def _train_nnx(model, grad_fn):
-    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    @jax.jit
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = grad_fn(_nnx_loss)(model, batch)
-        optimizer.update(model, grads)
-        return loss, nnx.state((model, optimizer))
-
-    losses = []
-    for batch in _batches():
-        loss, state = step(state, batch)
-        losses.append(float(loss))
-    model, _ = nnx.merge(graphdef, state)
-    return np.array(losses), model, step.lower(state, _batches()[0]).as_text()
+    return train_nnx_sgd(model, grad_fn, _nnx_loss, _batches())
 
 
 @pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
