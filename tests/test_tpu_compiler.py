@@ -860,6 +860,19 @@ def test_attention_matmuls_count_the_same_on_tpu_as_on_cpu():
     assert flops["tpu:v5p:2x2x2", "jshard"] == flops["cpu:8", "jshard"] == 817889280
 
 
+@functools.cache
+def _demo_llama_tiny_on_v5p(weight_gradients: str):
+    """The demo's NNX Llama at the test size (bf16 parameters, every layer recomputed, one sequence
+    a device) compiled for v5p 2x2x2 with ``FullyShardPolicy(weight_gradients=...)``."""
+    from benchmarks.memory_sweep import target_mesh
+    from jshard.demo import llama3
+
+    mesh = target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
+    config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True, weight_gradients=weight_gradients)
+    step, args, _ = llama3.build_nnx_model(mesh, config, llama3.TINY)
+    return step.lower(*args).compile()
+
+
 def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
     """[Note: one-hot cross-entropy]: the demo's Llama loss takes one-hot labels, so its gradient
     is elementwise and XLA:TPU has no scatter into the float32 logit gradient to offload to the
@@ -868,14 +881,10 @@ def test_the_demo_llama_loss_leaves_xla_tpu_no_scatter_into_the_logits():
     The embedding's gradient stays a scatter, so the reading can see one."""
     import re
 
-    from benchmarks.memory_sweep import target_mesh
     from jshard.demo import llama3
 
     cfg = llama3.TINY
-    mesh = target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
-    config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True)
-    step, args, _ = llama3.build_nnx_model(mesh, config, cfg)
-    text = step.lower(*args).compile().as_text()
+    text = _demo_llama_tiny_on_v5p("reduced").as_text()
     scatters = [line for line in text.splitlines() if re.search(r"= \S+ scatter\(|scatter_offload", line)]
     assert any(f"bf16[{cfg.vocab},{cfg.dim}]" in line for line in scatters)  # the embedding's gradient
     assert not [line for line in scatters if f"[{cfg.seq_len},{cfg.vocab}]" in line or "scatter_offload" in line]
@@ -890,15 +899,10 @@ def test_the_demo_llamas_embedding_is_looked_up_on_its_shard_on_v5p():
     0.0.42.1)."""
     import re
 
-    from benchmarks.memory_sweep import target_mesh
     from jshard.demo import llama3
 
-    cfg, mesh = llama3.TINY, target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
-    compiled = {}
-    for route in ("reduced", "from_activations"):
-        config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True, weight_gradients=route)
-        step, args, _ = llama3.build_nnx_model(mesh, config, cfg)
-        compiled[route] = step.lower(*args).compile()
+    cfg = llama3.TINY
+    compiled = {route: _demo_llama_tiny_on_v5p(route) for route in ("reduced", "from_activations")}
     table = f"[{cfg.vocab},{cfg.dim}]"
     for route, program in compiled.items():
         text, routed = program.as_text(), route == "from_activations"
