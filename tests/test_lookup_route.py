@@ -234,18 +234,10 @@ def test_hugging_face_gpt2_trains_as_unsharded():
     units = jlinen.ModuleUnits(FlaxGPT2Block, root_policy=ROUTED)
     with jax.numpy_dtype_promotion("standard"):
         params = jlinen.shard_params(lambda p, i: model(i, params=p), model.params, ids, units=units)
-        grad_fn = jax.jit(jlinen.value_and_grad(loss_fn, units=units))
-        ref_fn, tx = jax.jit(jax.value_and_grad(loss_fn)), optax.sgd(0.1, momentum=0.9)
-        ref, ref_state, state = model.params, tx.init(model.params), tx.init(params)
-        for _ in range(STEPS):
-            loss, grads = grad_fn(params, ids)
-            updates, state = tx.update(grads, state, params)
-            params = optax.apply_updates(params, updates)
-            ref_loss, ref_grads = ref_fn(ref, ids)
-            updates, ref_state = tx.update(ref_grads, ref_state, ref)
-            ref = optax.apply_updates(ref, updates)
-            np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        text = grad_fn.lower(params, ids).as_text()
+        losses, params, text = train_sgd(loss_fn, params, lambda f: jlinen.value_and_grad(f, units=units),
+                                         [ids] * STEPS)
+        ref_losses, ref, _ = train_sgd(loss_fn, model.params, jax.value_and_grad, [ids] * STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(js.unshard(params)), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x32x", text)) == 1  # wte, for the head
