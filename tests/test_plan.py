@@ -367,12 +367,16 @@ def test_the_builder_example_of_docs_planning_plans(tmp_path, monkeypatch):
     assert m.alias > 0 and p.flops == 5 * 2 * a.params
 
 
-def test_the_frontier_plans_all_three_weight_gradient_routes(capsys):
+def test_the_frontier_plans_every_weight_gradient_route(capsys):
     """``frontier --weight-gradients all``: the gradients in blocks are a setting of their own too,
     climbing their own batches (no reduced twin bounds them), at the reduced route's reduce-scatter
-    bytes."""
+    bytes; so is the route from activations with blocks where it sends more, which at batch 2 routes
+    every matrix of this MLP as ``from_activations`` does."""
     _, rows = _small_mlp_frontier(capsys, "all")
-    assert sorted(rows) == [("from_activations", 2), ("in_blocks", 1), ("in_blocks", 2), ("reduced", 1),
+    assert sorted(rows) == [("from_activations", 2), ("from_activations+in_blocks", 1),
+                            ("from_activations+in_blocks", 2), ("in_blocks", 1), ("in_blocks", 2), ("reduced", 1),
                             ("reduced", 2)]
     blocked, reduced = (rows[route, 2]["collective_bytes"] for route in ("in_blocks", "reduced"))
     assert blocked["reduce-scatter"] == reduced["reduce-scatter"] > 0
+    both, routed = (rows[route, 2]["collective_bytes"] for route in ("from_activations+in_blocks", "from_activations"))
+    assert both == routed and both["all-to-all"] > 0

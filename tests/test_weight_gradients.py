@@ -100,6 +100,11 @@ def _ops(text: str) -> dict[str, int]:
     return {op: len(re.findall(rf"stablehlo\.{op}\b", text)) for op in ("all_to_all", "reduce_scatter")}
 
 
+def _head_gathers(text: str) -> int:
+    """All-gathers whose result is the head's ``[48, 8]`` matrix."""
+    return len(re.findall(r"stablehlo\.all_gather.*-> tensor<48x8x", text))
+
+
 def _matrix_gathers(text: str) -> int:
     """All-gathers whose result is a 64-row matrix: the three layers' weights, gathered for compute
     (forward, and again in backward)."""
@@ -209,10 +214,12 @@ def test_recomputed_block_routed_whole_or_not_at_all_looks_inside_nested_calls()
 
 
 def test_policy_errors():
-    with pytest.raises(ValueError, match=r"must be one of \('reduced', 'from_activations', 'in_blocks'\)"):
+    with pytest.raises(ValueError, match=r"must be one of \('reduced', 'from_activations', 'in_blocks', "
+                                         r"'from_activations\+in_blocks'\), got 'activations'"):
         js.FullyShardPolicy(weight_gradients="activations")
-    for route in ("from_activations", "in_blocks"):
-        with pytest.raises(ValueError, match=rf"`weight_gradients='{route}'` .* set `unit_collectives=False`"):
+    for route in ("from_activations", "in_blocks", "from_activations+in_blocks"):
+        message = rf"`weight_gradients='{re.escape(route)}'` .* set `unit_collectives=False`"
+        with pytest.raises(ValueError, match=message):
             js.FullyShardPolicy(weight_gradients=route, unit_collectives=True)
 
 
@@ -430,16 +437,41 @@ BLOCKED = js.FullyShardPolicy(weight_gradients="in_blocks")
 def test_parity_with_the_gradients_reduced_in_blocks(reference, replicate):
     """``weight_gradients="in_blocks"``: the unsharded reference's losses and parameters, each
     matrix's gradient formed and reduce-scattered in 4 blocks of its unsharded dim (l1's, sharded
-    on its outputs, of its inputs), the bias's and the head's whole; nothing exchanged."""
+    on its outputs, of its inputs), the root's head too (kept gathered: gathered once), the bias's
+    whole; nothing exchanged."""
     blocked = _train(BLOCKED, js.make_mesh(replicate=replicate))
     _assert_close(blocked, reference, 1e-5)
-    assert _ops(blocked[2]) == {"all_to_all": 0, "reduce_scatter": 3 * 4 + 2}
+    assert _ops(blocked[2]) == {"all_to_all": 0, "reduce_scatter": 4 * 4 + 1}
+    assert _head_gathers(blocked[2]) == 1
+
+
+BOTH = js.FullyShardPolicy(weight_gradients="from_activations+in_blocks")
+
+
+@pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
+def test_routed_where_that_sends_less_else_in_blocks(reference, recomputed):
+    """``"from_activations+in_blocks"``: at 2 rows a device the three matrices are routed, as with
+    ``from_activations``; the root's head, kept gathered, is gathered once and its gradient formed
+    in 4 blocks, under jshard's policy and under a ``remat_policy`` (the head's matmul in the last
+    segment, its gather in the first); training follows the reference. At 64 rows a device,
+    where gathering sends less, every matrix's gradient is formed in blocks, as ``in_blocks``."""
+    grad = {"remat_policy": jax.checkpoint_policies.nothing_saveable} if recomputed else {}
+    both, routed = _train(BOTH, js.make_mesh(), **grad), _train(ROUTED, js.make_mesh(), **grad)
+    _assert_close(both, reference, 1e-5)
+    ops = _ops(routed[2])
+    assert _ops(both[2]) == {"all_to_all": ops["all_to_all"], "reduce_scatter": ops["reduce_scatter"] + 3}
+    assert (_matrix_gathers(both[2]), _head_gathers(both[2])) == (0, 1)
+    big = _batches(rows=512)[0]
+    step = jax.jit(js.value_and_grad(_loss, unshard_params=False))
+    lowered = [_ops(step.lower(_shard(_init(), js.make_mesh(), p), big).as_text()) for p in (BOTH, BLOCKED)]
+    assert lowered[0] == lowered[1] == {"all_to_all": 0, "reduce_scatter": 4 * 4 + 1}
 
 
 @pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
 def test_stacked_layers_reduce_their_gradients_in_blocks(recomputed):
     """GELU blocks stacked under ``js.scan`` with ``weight_gradients="in_blocks"``: each layer's two
-    matrices' gradients are reduce-scattered in 4 blocks in the loop body (the head's whole), and
+    matrices' gradients are reduce-scattered in 4 blocks in the loop body (the root's head, kept
+    gathered, in 4 blocks too), and
     training follows ``lax.scan`` with its matmul FLOPs. Recomputed (``nothing_saveable``, against
     ``jax.checkpoint(layer)`` with the same policy) a layer keeps the reduced route: the block
     route's backward would gather each matrix a third time ([Note: weight gradient blocks])."""
@@ -458,7 +490,7 @@ def test_stacked_layers_reduce_their_gradients_in_blocks(recomputed):
     grad = lambda f: js.value_and_grad(f, unshard_params=False, remat_policy=policy)  # noqa: E731
     losses, params, text = _train_stacked(_stacked_units(init, js.make_mesh(), BLOCKED), grad)
     _assert_close((losses, js.unshard(params)), ref[:2], 1e-5)
-    assert _ops(text) == {"all_to_all": 0, "reduce_scatter": 2 * (1 if recomputed else 4) + 1}
+    assert _ops(text) == {"all_to_all": 0, "reduce_scatter": 2 * (1 if recomputed else 4) + 4}
     batch = _batches()[0]
     ours = jax.jit(grad(_stacked_loss)).lower(_stacked_units(init, js.make_mesh(), BLOCKED), batch)
     assert 8 * _flops(ours) == _flops(jax.jit(reference(_stacked_loss)).lower(init, batch))

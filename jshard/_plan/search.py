@@ -53,7 +53,8 @@ from jshard._plan.planner import Plan
 from jshard._plan.target import PlanConfig
 
 _REMAT_KEEPS = {"full": 0, "dots": 1, "default": 2}  # how much a remat policy keeps for backward, in order
-_ROUTE_ORDER = {"reduced": 0, "from_activations": 1, "in_blocks": 2}  # a routed plan's reduced twin first
+# weight gradients in order: a routed plan's reduced twin first
+_ROUTE_ORDER = {"reduced": 0, "from_activations": 1, "in_blocks": 2, "from_activations+in_blocks": 3}
 
 
 @dataclasses.dataclass(frozen=True)

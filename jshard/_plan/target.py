@@ -45,8 +45,8 @@ class PlanConfig:
       weight_gradients: ``FullyShardPolicy(weight_gradients=...)`` for the units:
         ``"reduced"`` (FSDP2's), ``"from_activations"`` (a matmul of a unit's matrix run on the
         shard with its activations exchanged where that sends less: small global batches;
-        docs/planning.md; plan both) or ``"in_blocks"`` (its gradient formed and reduce-scattered
-        a block at a time).
+        docs/planning.md; plan both), ``"in_blocks"`` (its gradient formed and reduce-scattered
+        a block at a time) or ``"from_activations+in_blocks"`` (the first, else the second).
 
     Example:
       >>> from jshard.report import PlanConfig
@@ -94,7 +94,9 @@ class PlanConfig:
                 + ("offload" if self.offload else "on device")
                 + (f", leaves under {self.replicate_below} whole" if self.replicate_below else "")
                 + {"reduced": "", "from_activations": ", weight gradients from activations",
-                   "in_blocks": ", weight gradients in blocks"}[self.weight_gradients])
+                   "in_blocks": ", weight gradients in blocks",
+                   "from_activations+in_blocks": ", weight gradients from activations, else in blocks",
+                   }[self.weight_gradients])
 
 
 def abstract_result(fn: Callable[..., Any], *args: Any) -> Any:

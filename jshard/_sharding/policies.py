@@ -208,7 +208,7 @@ class DataParallelMeshDims:
         object.__setattr__(self, "replicate", replicate)
 
 
-WEIGHT_GRADIENTS = ("reduced", "from_activations", "in_blocks")
+WEIGHT_GRADIENTS = ("reduced", "from_activations", "in_blocks", "from_activations+in_blocks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +275,14 @@ class FullyShardPolicy:
         backward for ``dx``) but form the weight gradient a block at a time along the matrix's
         unsharded dim (4 where they divide it), each block reduce-scattered before the next is
         formed: the whole gradient never exists, at the reduction's bytes and FLOPs
-        (docs/benchmarks.md, "Weight gradients reduced a block at a time").
+        (docs/benchmarks.md, "Weight gradients reduced a block at a time"). Not in a recomputed
+        layer or segment (its matrices would be gathered three times). A matrix its unit keeps
+        gathered through backward (the root's, ``reshard_after_forward=False``: a language
+        model's output head) is gathered once and kept, its gradient formed in blocks, wherever
+        its matmul runs, recomputed pieces too.
+        ``"from_activations+in_blocks"``: both, each matmul taking the first that applies: routed
+        from activations where that sends less, its gradient in blocks otherwise; row lookups as
+        ``"from_activations"`` (docs/planning.md: a Llama-3-8B on ``v5p-256``).
 
     Example:
       >>> import jshard as js
@@ -327,12 +334,23 @@ class FullyShardPolicy:
             )
         if self.weight_gradients not in WEIGHT_GRADIENTS:
             raise ValueError(f"`weight_gradients` must be one of {WEIGHT_GRADIENTS}, got {self.weight_gradients!r}.")
-        if self.weight_gradients != "reduced" and self.unit_collectives:
+        if self.gradient_routes and self.unit_collectives:
             raise ValueError(f"`weight_gradients={self.weight_gradients!r}` forms each matrix's gradient in its own "
                              "collectives; it cannot share the unit's flat buffer: set `unit_collectives=False`.")
         factor = self.gradient_divide_factor
         if factor is not None and (isinstance(factor, bool) or not factor > 0):
             raise ValueError(f"`gradient_divide_factor` must be a positive number, got {factor!r}.")
+
+    @property
+    def gradient_routes(self) -> frozenset[str]:
+        """The ways of forming weight gradients ``weight_gradients`` names, besides FSDP2's reduction.
+
+        Example:
+          >>> import jshard as js
+          >>> sorted(js.FullyShardPolicy(weight_gradients="from_activations+in_blocks").gradient_routes)
+          ['from_activations', 'in_blocks']
+        """
+        return frozenset(self.weight_gradients.split("+")) - {"reduced"}
 
     def resolved_reshard_after_forward(self, root: bool) -> bool | int:
         """``reshard_after_forward`` with ``None`` resolved: ``False`` for a root unit, ``True`` otherwise.

@@ -16,7 +16,12 @@ training-step sweep: a matrix whose blocks would be under ``MIN_TPU_BLOCK`` keep
 route (:func:`block_count`), and so does every matrix of a recomputed piece (a layer or segment
 under a ``remat_policy``), where the recomputed forward's gather, then the block route's own in
 backward, would gather it three times a step: 1.5x the analytic bytes
-(``weight_route.route_whole``). Measured by hand first:
+(``weight_route.route_whole``). A matrix its unit keeps gathered through backward (the root's,
+``reshard_after_forward=False``: marked ``freed=False``) is gathered once by the route's forward
+and kept for its backward, as the unit would keep it, wherever its matmul runs: no extra bytes,
+and its whole gradient never exists (the Llama-3-8B NNX plan on ``v5p-256`` with weight
+gradients ``from_activations+in_blocks``: the output head's float32 gradient, 2004 MiB, no longer
+at the step's fullest point; docs/planning.md). Measured by hand first:
 ``benchmarks/weight_gradient_route.py``'s ``chunks`` route, docs/benchmarks.md "Weight gradients
 reduced a block at a time".
 """
@@ -41,11 +46,13 @@ BLOCKS = 4  # blocks of the unsharded dim, where it divides and XLA keeps them n
 MIN_TPU_BLOCK = 256 << 10
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def blocked_matmul(comm: LeafComm, precision: Any, preferred: Any, x: jax.Array, shard: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def blocked_matmul(comm: LeafComm, precision: Any, preferred: Any, kept: bool, x: jax.Array,
+                   shard: jax.Array) -> jax.Array:
     """``x @ gather(shard)``, its weight gradient reduced a block at a time (see the Note);
-    ``precision`` and ``preferred`` are the matmul's own."""
-    return _fwd(comm, precision, preferred, x, shard)[0]
+    ``precision`` and ``preferred`` are the matmul's own; ``kept``: the gathered matrix is kept for
+    backward (its unit keeps it), else gathered again there."""
+    return _fwd(comm, precision, preferred, kept, x, shard)[0]
 
 
 def _gathered(comm: LeafComm, shard: jax.Array) -> jax.Array:
@@ -70,13 +77,15 @@ def _ordered(value: jax.Array, after: jax.Array) -> jax.Array:
     return depend(value, [after])
 
 
-def _fwd(comm, precision, preferred, x, shard):
-    return contract(x, _gathered(comm, shard), ((x.ndim - 1,), (0,)), precision, preferred), (x, shard)
+def _fwd(comm, precision, preferred, kept, x, shard):
+    w = _gathered(comm, shard)
+    return contract(x, w, ((x.ndim - 1,), (0,)), precision, preferred), (x, w if kept else shard)
 
 
-def _bwd(comm, precision, preferred, residuals, dy):
-    x, shard = residuals
-    w = _gathered(comm, _ordered(shard, dy))  # gathered again once the cotangent arrives
+def _bwd(comm, precision, preferred, kept, residuals, dy):
+    x, w = residuals
+    if not kept:
+        w = _gathered(comm, _ordered(w, dy))  # gathered again once the cotangent arrives
     dx = contract(dy, w, ((dy.ndim - 1,), (1,)), precision, preferred)
     return dx.astype(x.dtype), reduce_summed(comm, _reduced_in_blocks(comm, x, dy))
 

@@ -67,9 +67,9 @@ class LeafComm:
         [Note: weight gradient route] in ``weight_route.py`` and [Note: row lookup route] in
         ``lookup_route.py``, or in blocks, [Note: weight gradient blocks] in ``block_route.py``):
         a matrix sharded whole on one of its two dims, without padding, model axes, offload or
-        custom collectives (a matmul's route needs it freed after forward too)."""
+        custom collectives (a matmul routed from activations needs it freed after forward too)."""
         layout, policy = self.layout, self.policy
-        return (policy.weight_gradients != "reduced" and len(layout.shape) == 2 and layout.sharded
+        return (bool(policy.gradient_routes) and len(layout.shape) == 2 and layout.sharded
                 and layout.padded == layout.shape[layout.dim] and not self.axes.model and not self.offloaded
                 and policy.custom_all_gather is None and policy.custom_reduce_scatter is None)
 

@@ -106,7 +106,7 @@ def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
     (_, shard), comm = mark.invars, mark.params["comm"]
     v, d = table.aval.shape
     n = comm.axes.shard_size
-    if (comm.policy.weight_gradients != "from_activations" or d % n
+    if ("from_activations" not in comm.policy.gradient_routes or d % n
             or not lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n)):
         return eqn
     params = (("fill_value", eqn.params["fill_value"]), ("mode", eqn.params["mode"]))

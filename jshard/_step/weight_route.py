@@ -113,10 +113,11 @@ routed_matmul.defvjp(_fwd, _bwd)
 
 def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcore.ClosedJaxpr:
     """``closed``, traced under the step's ``policy``, with the ``x @ w`` of marked gathered
-    matrices ``w`` taken by :func:`routed_matmul`: under jshard's own policy those at the top level
-    and in the loops and step checkpoints it runs; under any, those of a recomputed layer (a
-    checkpoint under another policy), where all of its are (see the Note). Unchanged where there
-    is none.
+    matrices ``w`` taken by :func:`routed_matmul` or ``block_route.blocked_matmul``: under jshard's
+    own policy those at the top level and in the loops and step checkpoints it runs; under any,
+    those of a recomputed layer (a checkpoint under another policy), where all of its are (see the
+    Note), and those of matrices kept gathered in blocks (a segment's inputs once cut). Unchanged
+    where there is none.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -124,15 +125,17 @@ def route_matmuls(closed: jcore.ClosedJaxpr, policy: Any = REMAT_POLICY) -> jcor
       >>> route_matmuls(closed) is closed  # nothing marked
       True
     """
-    return _routed_closed(closed, _ROUTES if policy is REMAT_POLICY else frozenset())
+    return _routed_closed(closed, _ROUTES if policy is REMAT_POLICY else frozenset({"kept"}))
 
 
 def route_whole(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     """``jaxpr``, code recomputed in backward (a checkpoint under another policy than jshard's, or
     a segment of unrolled code under a ``remat_policy``, cut and checkpointed by ``segments.py``),
-    with the ``x @ w`` of its marked matrices routed, all of them or none (see the Note), and its
-    row lookups of marked tables routed either way ([Note: row lookup route] in
-    ``lookup_route.py``: their residuals are the ids).
+    with the ``x @ w`` of its marked matrices routed from activations, all of them or none (see
+    the Note; never in blocks, [Note: weight gradient blocks]), and either way its row lookups of
+    marked tables ([Note: row lookup route] in ``lookup_route.py``: their residuals are the ids)
+    and the matmuls of matrices kept gathered (in blocks: their residual is the gathered matrix
+    the unit keeps anyway).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -140,16 +143,15 @@ def route_whole(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
       >>> route_whole(closed.jaxpr) is closed.jaxpr  # nothing marked
       True
     """
-    if _marks_blocks(jaxpr):  # its blocks' backward would gather a third time ([Note: weight gradient blocks])
-        return jaxpr
-    routed = _routed_jaxpr(jaxpr, _ROUTES)
-    return _routed_jaxpr(jaxpr, frozenset({"gather"})) if _still_gathers(routed) else routed
+    routed = _routed_jaxpr(jaxpr, frozenset({"routed", "kept", "gather"}))
+    return _routed_jaxpr(jaxpr, frozenset({"kept", "gather"})) if _still_gathers(routed) else routed
 
 
-# ``routes``, below: the primitives of this jaxpr itself that are routed, matmuls (``dot_general``)
-# and row lookups (``gather``); none at the top level of a loss under a ``remat_policy``, whose
-# unrolled segments are routed by :func:`route_whole`.
-_ROUTES = frozenset({"dot_general", "gather"})
+# ``routes``, below: what of this jaxpr itself is rewritten: the matmuls of freed matrices routed
+# from activations (``routed``) or in blocks (``blocks``), those of kept ones in blocks (``kept``),
+# and row lookups (``gather``). At the top level of a loss under a ``remat_policy`` only ``kept``:
+# its unrolled segments are routed by :func:`route_whole` once cut.
+_ROUTES = frozenset({"routed", "blocks", "kept", "gather"})
 
 
 def _routed_closed(closed: jcore.ClosedJaxpr, routes: frozenset[str]) -> jcore.ClosedJaxpr:
@@ -164,7 +166,7 @@ def _routed_jaxpr(jaxpr: jcore.Jaxpr, routes: frozenset[str]) -> jcore.Jaxpr:
     eqns, changed = [], source is not jaxpr.eqns
     for eqn in source:
         if eqn.primitive.name == "dot_general":
-            routed = _routed(eqn, made) if "dot_general" in routes else eqn
+            routed = _routed(eqn, made, routes)
         elif eqn.primitive.name == "gather":
             routed = routed_lookup_eqn(eqn, made) if "gather" in routes else eqn
         else:
@@ -207,12 +209,6 @@ def _still_gathers(jaxpr: jcore.Jaxpr) -> bool:
     return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p and eqn.params["freed"])
 
 
-def _marks_blocks(jaxpr: jcore.Jaxpr) -> bool:
-    """Whether ``jaxpr`` (or a jaxpr nested in it) marks a matrix whose gradient is reduced in blocks."""
-    return _finds(jaxpr, lambda eqn: eqn.primitive is routable_p and eqn.params["freed"]
-                  and eqn.params["comm"].policy.weight_gradients == "in_blocks")
-
-
 def _finds(jaxpr: jcore.Jaxpr, found: Any) -> bool:
     """Whether ``found`` holds for an equation of ``jaxpr`` or of a jaxpr nested in it."""
     return any(found(eqn) or any(_finds(j, found) for j in sub_jaxprs(eqn)) for eqn in jaxpr.eqns)
@@ -224,24 +220,25 @@ _NESTED = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",), 
 _STEP_POLICIES = (REMAT_POLICY, loop_policy(REMAT_POLICY))
 
 
-def _routed(eqn: Any, made: dict[Any, Any]) -> Any:
-    """The equation of :func:`routed_matmul` for a matmul ``x @ w`` of a marked ``w``, else ``eqn``."""
+def _routed(eqn: Any, made: dict[Any, Any], routes: frozenset[str]) -> Any:
+    """The equation of :func:`routed_matmul` or ``blocked_matmul`` for a matmul ``x @ w`` of a
+    marked ``w`` whose policy names a route that applies (in its order, among ``routes``), else
+    ``eqn``."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = marked(eqn.invars[1], made)
-    if mark is None or not mark.params["freed"]:
+    if mark is None:
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
-    if comm.policy.weight_gradients == "in_blocks":  # [Note: weight gradient blocks]
-        if block_count(comm, eqn.invars[1].aval.shape) == 1:
-            return eqn
-        matmul = blocked_matmul
-    elif sends_less(x.aval.size // x.aval.shape[-1], *eqn.invars[1].aval.shape, comm.layout.dim,
-                    comm.axes.shard_size):
-        matmul = routed_matmul
+    chosen, shape, freed = comm.policy.gradient_routes, eqn.invars[1].aval.shape, mark.params["freed"]
+    if freed and "routed" in routes and "from_activations" in chosen and sends_less(
+            x.aval.size // x.aval.shape[-1], *shape, comm.layout.dim, comm.axes.shard_size):
+        fn = functools.partial(routed_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
+    elif ("blocks" if freed else "kept") in routes and "in_blocks" in chosen and block_count(comm, shape) > 1:
+        fn = functools.partial(blocked_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"],
+                               not freed)  # [Note: weight gradient blocks]
     else:
         return eqn
-    fn = functools.partial(matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
     return call_equation(fn, [x, shard], eqn.outvars) or eqn
 
 
