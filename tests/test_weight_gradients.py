@@ -467,6 +467,32 @@ def test_routed_where_that_sends_less_else_in_blocks(reference, recomputed):
     assert lowered[0] == lowered[1] == {"all_to_all": 0, "reduce_scatter": 4 * 4 + 1}
 
 
+def _head_loss(params, x):  # a language model's end: a unit, then the root's head and a logsumexp
+    root = js.unshard(params)
+    h = jnp.tanh(x @ js.unshard(root["l0"])["w"])
+    return jnp.mean(jax.nn.logsumexp(h @ root["head"]["w"], axis=-1))
+
+
+@pytest.mark.parametrize("remat", [None, jax.checkpoint_policies.nothing_saveable], ids=["kept", "recomputed"])
+def test_a_matrix_kept_gathered_is_gathered_once_with_its_gradient_in_blocks(remat):
+    """The root's head (``[64, 512]``), kept gathered, with ``weight_gradients="in_blocks"``: its
+    gradient is reduce-scattered in 4 blocks, and it is gathered once, as the reduced route gathers
+    it, under jshard's policy (which re-gathers what is not saved by name) and under a
+    ``remat_policy`` (where the unit before it, recomputed, keeps the reduced route)."""
+    mesh, sds = js.make_mesh(), lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    texts = {}
+    for policy in (js.FullyShardPolicy(), BLOCKED):
+        params = js.fully_shard({"l0": js.fully_shard({"w": sds(64, 64)}, mesh, policy), "head": {"w": sds(64, 512)}},
+                                mesh, policy)
+        step = jax.jit(js.value_and_grad(_head_loss, unshard_params=False, remat_policy=remat))
+        texts[policy.weight_gradients] = step.lower(params, sds(16, 64)).as_text()
+    head_gathers = {route: len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x512x", text))
+                    for route, text in texts.items()}
+    assert head_gathers == {"reduced": 1, "in_blocks": 1}
+    head_blocks = len(re.findall(r"\(tensor<64x128xf32>\) -> tensor<8x128xf32>", texts["in_blocks"]))
+    assert (head_blocks, _ops(texts["in_blocks"])["reduce_scatter"]) == (4, 5 if remat else 8)  # l0: 1 or 4
+
+
 @pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
 def test_stacked_layers_reduce_their_gradients_in_blocks(recomputed):
     """GELU blocks stacked under ``js.scan`` with ``weight_gradients="in_blocks"``: each layer's two

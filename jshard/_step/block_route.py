@@ -34,11 +34,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jshard._sharding.scatter_padding import first_kept, phases_and_sizes
 from jshard._step import collectives as C
 from jshard._step.gather import LeafComm, reduce_summed, scatter_native
-from jshard._step.remat import depend
+from jshard._step.remat import SAVED, depend
 
 BLOCKS = 4  # blocks of the unsharded dim, where it divides and XLA keeps them native (else 2)
 # Smaller blocks save little and add their matrix's re-gather: blocking a transformer's [256, 256]
@@ -79,6 +80,8 @@ def _ordered(value: jax.Array, after: jax.Array) -> jax.Array:
 
 def _fwd(comm, precision, preferred, kept, x, shard):
     w = _gathered(comm, shard)
+    if kept:  # saved as its unit's gathered leaves are, under any policy
+        w = checkpoint_name(w, SAVED)
     return contract(x, w, ((x.ndim - 1,), (0,)), precision, preferred), (x, w if kept else shard)
 
 
