@@ -146,6 +146,45 @@ def test_not_routed_where_the_devices_do_not_divide_the_columns():
     assert _ops(text)["all_to_all"] == 0
 
 
+BLOCKED = js.FullyShardPolicy(weight_gradients="in_blocks")
+
+
+def _table_blocks(text, n):
+    """Reduce-scatters of a block of 16 of the table's columns to this device's rows (``n`` devices)."""
+    return len(re.findall(rf"\(tensor<{V}x{D // 4}xf32>\) -> tensor<{V // n}x{D // 4}xf32>", text))
+
+
+@pytest.mark.parametrize("replicate, own_unit, remat", [(1, True, None), (2, False, None),
+                                                        (1, False, jax.checkpoint_policies.nothing_saveable)],
+                         ids=["fsdp-own-unit", "hsdp-root", "root-recomputed"])
+def test_gradients_in_blocks_scatter_a_block_of_columns_at_a_time(reference, replicate, own_unit, remat):
+    """``weight_gradients="in_blocks"``, the table sharded on its rows: it is gathered once, for
+    forward (backward needs only the ids), and its gradient is scatter-added and reduce-scattered 4
+    blocks of 16 columns at a time, nothing exchanged; the unsharded reference's training, in a
+    unit of its own or in the root, under a ``remat_policy`` too. Sharded on its columns it keeps
+    the gather and the reduction."""
+    mesh = js.make_mesh(replicate=replicate)
+    grad = lambda f: js.value_and_grad(f, unshard_params=False, remat_policy=remat)  # noqa: E731
+    losses, params, text = _train(_sharded(mesh, BLOCKED, own_unit, 0), grad, _batches())
+    _assert_close((losses, js.unshard(params)), reference)
+    assert (_table_gathers(text), _table_blocks(text, 8 // replicate), _ops(text)["all_to_all"]) == (1, 4, 0)
+    columns = jax.jit(grad(_loss)).lower(_sharded(mesh, BLOCKED, own_unit, 1), _batches()[0]).as_text()
+    whole = rf"\(tensor<{V}x{D}xf32>\) -> tensor<{V}x{D // (8 // replicate)}xf32>"  # the gradient's reduce-scatter
+    assert _table_gathers(columns) == 1 and len(re.findall(whole, columns)) == 1
+
+
+def test_routed_where_that_sends_less_else_in_blocks():
+    """``weight_gradients="from_activations+in_blocks"``: at 8 tokens a device the table is looked
+    up on its shard (never gathered); at 320, where gathering sends less, its gradient is formed
+    in blocks instead; both train as the unsharded table does."""
+    mesh, both = js.make_mesh(), js.FullyShardPolicy(weight_gradients="from_activations+in_blocks")
+    for tokens, gathers, blocks, exchanges in ((4, 0, 0, 4), (160, 1, 4, 0)):
+        batches = _batches(tokens=tokens)
+        losses, params, text = _train(_sharded(mesh, both, True, 0), lambda f: js.value_and_grad(f), batches)
+        _assert_close((losses, js.unshard(params)), _train(_init(), jax.value_and_grad, batches)[:2])
+        assert (_table_gathers(text), _table_blocks(text, 8), _ops(text)["all_to_all"]) == (gathers, blocks, exchanges)
+
+
 @pytest.mark.parametrize("dim, replicate, microbatches", [(0, 1, 1), (1, 1, 1), (0, 2, 2)],
                          ids=["rows", "columns", "rows-hsdp-accumulated"])
 def test_routed_under_a_remat_policy(reference, dim, replicate, microbatches):

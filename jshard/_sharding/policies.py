@@ -279,10 +279,12 @@ class FullyShardPolicy:
         layer or segment (its matrices would be gathered three times). A matrix its unit keeps
         gathered through backward (the root's, ``reshard_after_forward=False``: a language
         model's output head) is gathered once and kept, its gradient formed in blocks, wherever
-        its matmul runs, recomputed pieces too.
-        ``"from_activations+in_blocks"``: both, each matmul taking the first that applies: routed
-        from activations where that sends less, its gradient in blocks otherwise; row lookups as
-        ``"from_activations"`` (docs/planning.md: a Llama-3-8B on ``v5p-256``).
+        its matmul runs, recomputed pieces too. A row lookup of a table sharded on its rows (an
+        embedding, in any unit) is gathered for forward only and its gradient scatter-added a block
+        of columns at a time.
+        ``"from_activations+in_blocks"``: both, each matmul and row lookup taking the first that
+        applies: routed from activations where that sends less, its gradient in blocks otherwise
+        (docs/planning.md: a Llama-3-8B on ``v5p-256``).
 
     Example:
       >>> import jshard as js

@@ -29,6 +29,7 @@ reduced a block at a time".
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,7 +57,8 @@ def blocked_matmul(comm: LeafComm, precision: Any, preferred: Any, kept: bool, x
     return _fwd(comm, precision, preferred, kept, x, shard)[0]
 
 
-def _gathered(comm: LeafComm, shard: jax.Array) -> jax.Array:
+def gathered(comm: LeafComm, shard: jax.Array) -> jax.Array:
+    """The matrix gathered from ``shard`` in ``param_dtype``: the block routes' own gather."""
     return C.all_gather(shard.astype(comm.param_dtype), comm.axes.shard, comm.layout.dim,
                         phases=comm.axes.gather_phases)
 
@@ -74,12 +76,13 @@ def contract(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None, prefe
     return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=preferred)
 
 
-def _ordered(value: jax.Array, after: jax.Array) -> jax.Array:
+def ordered(value: jax.Array, after: jax.Array) -> jax.Array:
+    """``value``, available only once ``after`` is (``remat.depend``): a block after the last one's reduction."""
     return depend(value, [after])
 
 
 def _fwd(comm, precision, preferred, kept, x, shard):
-    w = _gathered(comm, shard)
+    w = gathered(comm, shard)
     if kept:  # saved as its unit's gathered leaves are, under any policy
         w = checkpoint_name(w, SAVED)
     return contract(x, w, ((x.ndim - 1,), (0,)), precision, preferred), (x, w if kept else shard)
@@ -88,30 +91,57 @@ def _fwd(comm, precision, preferred, kept, x, shard):
 def _bwd(comm, precision, preferred, kept, residuals, dy):
     x, w = residuals
     if not kept:
-        w = _gathered(comm, _ordered(w, dy))  # gathered again once the cotangent arrives
+        w = gathered(comm, ordered(w, dy))  # gathered again once the cotangent arrives
     dx = contract(dy, w, ((dy.ndim - 1,), (1,)), precision, preferred)
-    return dx.astype(x.dtype), reduce_summed(comm, _reduced_in_blocks(comm, x, dy))
+    return dx.astype(x.dtype), reduce_summed(comm, _matmul_blocks(comm, x, dy))
 
 
 blocked_matmul.defvjp(_fwd, _bwd)
 
 
-def _reduced_in_blocks(comm: LeafComm, x: jax.Array, dy: jax.Array) -> jax.Array:
+def _matmul_blocks(comm: LeafComm, x: jax.Array, dy: jax.Array) -> jax.Array:
     """This device's shard of ``x^T dy`` (contracted over all but their last dims) summed over the
-    shard axes, formed and reduce-scattered a block of the matrix's unsharded dim at a time, in
-    ``reduce_dtype``. ``x`` and ``dy`` keep their leading dims (not reshaped to rows: XLA:TPU then
-    lays the blocks out as it lays out the reduced route's whole gradient)."""
+    shard axes, formed and reduce-scattered in blocks (:func:`reduced_in_blocks`). ``x`` and
+    ``dy`` keep their leading dims (not reshaped to rows: XLA:TPU then lays the blocks out as it
+    lays out the reduced route's whole gradient)."""
+    dim, lead = comm.layout.dim, tuple(range(x.ndim - 1))
+
+    def form(part: slice, after: jax.Array | None) -> jax.Array:
+        a, b = (x, dy[..., part]) if dim == 0 else (x[..., part], dy)
+        if after is not None:  # this block's matmul after the last block's reduction
+            a, b = (a, ordered(b, after)) if dim == 0 else (ordered(a, after), b)
+        return contract(a, b, (lead, lead))
+
+    return reduced_in_blocks(comm, (x.shape[-1], dy.shape[-1]), form)
+
+
+def reduced_in_blocks(comm: LeafComm, shape: tuple[int, int], form: Callable[[slice, Any], jax.Array]) -> jax.Array:
+    """This device's shard of a ``shape`` matrix's gradient summed over the shard axes, in
+    ``reduce_dtype``, formed and reduce-scattered a block of its unsharded dim at a time
+    (:func:`block_count` blocks): ``form(part, after)`` is the gradient's block ``part`` of that dim,
+    its inputs ordered after ``after`` (the previous block's reduction; ``None`` for the first).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, jshard as js
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jshard._sharding.layout import LeafLayout
+      >>> from jshard._sharding.mesh import resolve_axes
+      >>> from jshard._step.block_route import reduced_in_blocks
+      >>> from jshard._step.gather import LeafComm
+      >>> mesh = js.make_mesh()
+      >>> comm = LeafComm(LeafLayout((8, 8), np.dtype("float32"), 0, 8), resolve_axes(mesh, None),
+      ...                 js.FullyShardPolicy(), 1.0)
+      >>> f = jax.shard_map(lambda: reduced_in_blocks(comm, (8, 8), lambda part, after: jnp.ones((8, 2))),
+      ...                   mesh=mesh, in_specs=(), out_specs=P("fsdp"))
+      >>> np.asarray(f())[0].tolist()  # device 0's row, summed over the 8 devices, 4 blocks of 2 columns
+      [8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+    """
     dim = comm.layout.dim
-    size = (x.shape[-1], dy.shape[-1])[1 - dim]
-    count = block_count(comm, (x.shape[-1], dy.shape[-1]))
-    lead = tuple(range(x.ndim - 1))
+    size, count = shape[1 - dim], block_count(comm, shape)
     blocks, done = [], None
     for j in range(count):
         part = slice(j * size // count, (j + 1) * size // count)
-        a, b = (x, dy[..., part]) if dim == 0 else (x[..., part], dy)
-        if done is not None:  # this block's matmul after the last block's reduction
-            a, b = (a, _ordered(b, done)) if dim == 0 else (_ordered(a, done), b)
-        done = scatter_native(comm, contract(a, b, (lead, lead)).astype(comm.reduce_dtype), dim)
+        done = scatter_native(comm, form(part, done).astype(comm.reduce_dtype), dim)
         blocks.append(done)
     return jnp.concatenate(blocks, axis=1 - dim)
 

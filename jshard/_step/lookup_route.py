@@ -22,6 +22,14 @@ unit that keeps its leaves too (the root): the gathered table is then not kept e
 nothing else reads it. ``jnp.take`` wraps its ``gather`` in a ``jit``: a ``jit`` whose body looks
 up rows of a marked table is inlined first (:func:`inline_lookups`). Measured on the demo's Llama
 (docs/benchmarks.md, "Embedding lookups on the shard").
+
+With ``weight_gradients="in_blocks"`` (or where the route above sends more, with
+``"from_activations+in_blocks"``) a table sharded on its rows is looked up by
+:func:`blocked_lookup` instead: gathered as before for forward, but not kept (the gradient of a
+lookup needs only the ids), its gradient scatter-added and reduce-scattered a block of columns at
+a time ([Note: weight gradient blocks]): the whole gradient never exists, at the reduction's
+bytes. The Llama-3-8B NNX plan on ``v5p-256`` (docs/benchmarks.md, "Kept matrices' gradients in
+blocks").
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jshard._step import collectives as C
+from jshard._step.block_route import block_count, gathered, ordered, reduced_in_blocks
 from jshard._step.gather import LeafComm, reduce_summed
 from jshard._step.remat import call_equation, marked, traced_equations
 
@@ -81,6 +90,36 @@ def _bwd(comm, params, every, dy):
 routed_lookup.defvjp(_fwd, _bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def blocked_lookup(comm: LeafComm, params: tuple[tuple[str, Any], ...], ids: jax.Array,
+                   shard: jax.Array) -> jax.Array:
+    """``gather(table, ids)`` of the table gathered from ``shard`` (sharded on its rows), its
+    gradient scatter-added and reduce-scattered a block of columns at a time ([Note: weight
+    gradient blocks]); backward needs only the ids, so the gathered table is not kept."""
+    return _blocked_fwd(comm, params, ids, shard)[0]
+
+
+def _blocked_fwd(comm, params, ids, shard):
+    rows = ids.reshape(-1, 1)
+    y = _lookup(params, gathered(comm, shard), rows)
+    return y.reshape(ids.shape[:-1] + y.shape[-1:]), rows
+
+
+def _blocked_bwd(comm, params, rows, dy):
+    (v, d), dy = comm.layout.shape, dy.reshape(-1, comm.layout.shape[1])
+
+    def form(part: slice, after: Any) -> jax.Array:
+        g = dy[:, part] if after is None else ordered(dy[:, part], after)
+        zeros = jnp.zeros((v, g.shape[1]), comm.reduce_dtype)
+        _, scatter = jax.vjp(lambda columns: _lookup(params, columns, rows), zeros)
+        return scatter(g.astype(comm.reduce_dtype))[0]
+
+    return None, reduce_summed(comm, reduced_in_blocks(comm, (v, d), form))
+
+
+blocked_lookup.defvjp(_blocked_fwd, _blocked_bwd)
+
+
 def lookup_sends_less(tokens: int, v: int, d: int, dim: int, devices: int) -> bool:
     """Whether looking up ``tokens`` rows per device of a ``[v, d]`` table sharded on ``dim``
     over ``devices`` devices sends fewer elements per device routed (the ids gathered, the tokens'
@@ -97,20 +136,24 @@ def lookup_sends_less(tokens: int, v: int, d: int, dim: int, devices: int) -> bo
 
 
 def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
-    """The equation of :func:`routed_lookup` for a row lookup ``gather`` of a marked table whose
-    route sends less (``made``: each variable's defining equation), else ``eqn``."""
+    """The equation of :func:`routed_lookup` for a row lookup ``gather`` of a marked table where
+    that route is asked for and sends less, else of :func:`blocked_lookup` where gradients in
+    blocks are asked for and the table is sharded on its rows (``made``: each variable's defining
+    equation), else ``eqn``."""
     table, ids = eqn.invars
     mark = marked(table, made)
     if mark is None or not _row_lookup(eqn):
         return eqn
     (_, shard), comm = mark.invars, mark.params["comm"]
-    v, d = table.aval.shape
-    n = comm.axes.shard_size
-    if ("from_activations" not in comm.policy.gradient_routes or d % n
-            or not lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n)):
-        return eqn
+    (v, d), n, chosen = table.aval.shape, comm.axes.shard_size, comm.policy.gradient_routes
     params = (("fill_value", eqn.params["fill_value"]), ("mode", eqn.params["mode"]))
-    return call_equation(functools.partial(routed_lookup, comm, params), [ids, shard], eqn.outvars) or eqn
+    if "from_activations" in chosen and not d % n and lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n):
+        lookup = routed_lookup
+    elif "in_blocks" in chosen and comm.layout.dim == 0 and block_count(comm, (v, d)) > 1:
+        lookup = blocked_lookup
+    else:
+        return eqn
+    return call_equation(functools.partial(lookup, comm, params), [ids, shard], eqn.outvars) or eqn
 
 
 def _row_lookup(eqn: Any) -> bool:
