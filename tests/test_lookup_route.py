@@ -207,18 +207,22 @@ def _tied_loss(params, batch):
     return jnp.mean(((h @ table.T)[:, :8] - batch["y"]) ** 2)
 
 
-def test_a_tied_table_keeps_its_gather_for_the_matmul():
-    """Parity with the unsharded step where the table is also the head: its lookup is routed, its
-    matmul keeps the gather and the reduction."""
-    mesh = js.make_mesh()
+@pytest.mark.parametrize("route", ["from_activations", "in_blocks"])
+def test_a_tied_table_keeps_its_gather_for_the_matmul(route):
+    """Parity with the unsharded step where the table is also the head: its matmul keeps the gather
+    and the reduction; its lookup is routed from activations, or with gradients in blocks left as
+    it is (blocking it would gather the table once more and save nothing: the head's gradient is
+    whole)."""
+    mesh, policy = js.make_mesh(), js.FullyShardPolicy(weight_gradients=route)
     params = _init()
     want = train_sgd(_tied_loss, params, jax.value_and_grad, _batches())
-    units = {"emb": js.fully_shard(params["emb"], mesh, ROUTED), "head": params["head"]}
-    losses, got, text = train_sgd(_tied_loss, js.fully_shard(units, mesh, ROUTED),
+    units = {"emb": js.fully_shard(params["emb"], mesh, policy), "head": params["head"]}
+    losses, got, text = train_sgd(_tied_loss, js.fully_shard(units, mesh, policy),
                                     lambda f: js.value_and_grad(f, unshard_params=False), _batches())
     _assert_close((losses, js.unshard(got)), want[:2])
     assert _table_gathers(text) == 2  # for the head's matmul, forward and backward, as reduced
-    assert _ops(text) == {"all_to_all": 4, "reduce_scatter": 1}  # the lookup on the shard; the matmul's reduced
+    # the lookup on the shard, or as reduced; the matmul's gradient reduced
+    assert _ops(text) == {"all_to_all": 4 if route == "from_activations" else 0, "reduce_scatter": 1}
 
 
 class _Tagger(nnx.Module):

@@ -493,6 +493,23 @@ def test_a_matrix_kept_gathered_is_gathered_once_with_its_gradient_in_blocks(rem
     assert (head_blocks, _ops(texts["in_blocks"])["reduce_scatter"]) == (4, 5 if remat else 8)  # l0: 1 or 4
 
 
+def test_a_matrix_kept_gathered_and_read_twice_keeps_its_reduction():
+    """The root's head read by two matmuls: blocking either would gather it again beside the gather
+    the other reads, so both keep it (one gather, its gradient reduced whole)."""
+    mesh, sds = js.make_mesh(), lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+    def loss(params, x):
+        root = js.unshard(params)
+        h = jnp.tanh(x @ js.unshard(root["l0"])["w"])
+        return jnp.mean(jax.nn.logsumexp(h @ root["head"]["w"], axis=-1) + (h @ root["head"]["w"])[:, 0])
+
+    params = js.fully_shard({"l0": js.fully_shard({"w": sds(64, 64)}, mesh, BLOCKED), "head": {"w": sds(64, 512)}},
+                            mesh, BLOCKED)
+    text = jax.jit(js.value_and_grad(loss, unshard_params=False)).lower(params, sds(16, 64)).as_text()
+    assert len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x512x", text)) == 1
+    assert len(re.findall(r"\(tensor<64x512xf32>\) -> tensor<8x512xf32>", text)) == 1
+
+
 @pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
 def test_stacked_layers_reduce_their_gradients_in_blocks(recomputed):
     """GELU blocks stacked under ``js.scan`` with ``weight_gradients="in_blocks"``: each layer's two

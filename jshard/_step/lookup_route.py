@@ -35,6 +35,7 @@ blocks").
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -135,11 +136,12 @@ def lookup_sends_less(tokens: int, v: int, d: int, dim: int, devices: int) -> bo
     return routed < v * d * (n - 1) / n
 
 
-def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
+def routed_lookup_eqn(eqn: Any, made: dict[Any, Any], reads: Mapping[Any, int]) -> Any:
     """The equation of :func:`routed_lookup` for a row lookup ``gather`` of a marked table where
     that route is asked for and sends less, else of :func:`blocked_lookup` where gradients in
-    blocks are asked for and the table is sharded on its rows (``made``: each variable's defining
-    equation), else ``eqn``."""
+    blocks are asked for, the table is sharded on its rows and nothing else reads it gathered (a
+    tied head would keep the gather, and its whole gradient, anyway), else ``eqn``. ``made``: each
+    variable's defining equation; ``reads``: how many equations and results read each."""
     table, ids = eqn.invars
     mark = marked(table, made)
     if mark is None or not _row_lookup(eqn):
@@ -149,7 +151,7 @@ def routed_lookup_eqn(eqn: Any, made: dict[Any, Any]) -> Any:
     params = (("fill_value", eqn.params["fill_value"]), ("mode", eqn.params["mode"]))
     if "from_activations" in chosen and not d % n and lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n):
         lookup = routed_lookup
-    elif "in_blocks" in chosen and comm.layout.dim == 0 and block_count(comm, (v, d)) > 1:
+    elif "in_blocks" in chosen and comm.layout.dim == 0 and reads[table] == 1 and block_count(comm, (v, d)) > 1:
         lookup = blocked_lookup
     else:
         return eqn

@@ -51,7 +51,9 @@ derivatives the mark is an identity.
 
 from __future__ import annotations
 
+import collections
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -163,12 +165,14 @@ def _routed_jaxpr(jaxpr: jcore.Jaxpr, routes: frozenset[str]) -> jcore.Jaxpr:
     """``jaxpr`` with its matmuls and lookups routed, in the loop bodies and checkpoints it runs too."""
     source = inline_lookups(jaxpr.eqns) if "gather" in routes else jaxpr.eqns
     made = {v: eqn for eqn in source for v in eqn.outvars}
+    reads = collections.Counter(v for e in source for v in e.invars if isinstance(v, jcore.Var))
+    reads.update(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
     eqns, changed = [], source is not jaxpr.eqns
     for eqn in source:
         if eqn.primitive.name == "dot_general":
-            routed = _routed(eqn, made, routes)
+            routed = _routed(eqn, made, reads, routes)
         elif eqn.primitive.name == "gather":
-            routed = routed_lookup_eqn(eqn, made) if "gather" in routes else eqn
+            routed = routed_lookup_eqn(eqn, made, reads) if "gather" in routes else eqn
         else:
             routed = _routed_inside(eqn, routes)
         changed |= routed is not eqn
@@ -220,10 +224,11 @@ _NESTED = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",), 
 _STEP_POLICIES = (REMAT_POLICY, loop_policy(REMAT_POLICY))
 
 
-def _routed(eqn: Any, made: dict[Any, Any], routes: frozenset[str]) -> Any:
+def _routed(eqn: Any, made: dict[Any, Any], reads: Mapping[Any, int], routes: frozenset[str]) -> Any:
     """The equation of :func:`routed_matmul` or ``blocked_matmul`` for a matmul ``x @ w`` of a
     marked ``w`` whose policy names a route that applies (in its order, among ``routes``), else
-    ``eqn``."""
+    ``eqn``. A matrix kept gathered is blocked only where nothing else reads it gathered (``reads``:
+    how many equations and results read each variable), so that it is still gathered once."""
     if eqn.params["dimension_numbers"] != (((eqn.invars[0].aval.ndim - 1,), (0,)), ((), ())):
         return eqn
     mark = marked(eqn.invars[1], made)
@@ -234,7 +239,8 @@ def _routed(eqn: Any, made: dict[Any, Any], routes: frozenset[str]) -> Any:
     if freed and "routed" in routes and "from_activations" in chosen and sends_less(
             x.aval.size // x.aval.shape[-1], *shape, comm.layout.dim, comm.axes.shard_size):
         fn = functools.partial(routed_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
-    elif ("blocks" if freed else "kept") in routes and "in_blocks" in chosen and block_count(comm, shape) > 1:
+    elif ((freed and "blocks" in routes) or (not freed and "kept" in routes and reads[eqn.invars[1]] == 1)) \
+            and "in_blocks" in chosen and block_count(comm, shape) > 1:
         fn = functools.partial(blocked_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"],
                                not freed)  # [Note: weight gradient blocks]
     else:
