@@ -281,7 +281,8 @@ class FullyShardPolicy:
         model's output head) is gathered once and kept, its gradient formed in blocks, wherever
         its matmul runs, recomputed pieces too. A row lookup of a table sharded on its rows (an
         embedding, in any unit) is gathered for forward only and its gradient scatter-added a block
-        of columns at a time.
+        of columns at a time. A kept matrix or a table that something else also reads gathered (a
+        tied head) keeps the reduction: blocking it would gather it twice.
         ``"from_activations+in_blocks"``: both, each matmul and row lookup taking the first that
         applies: routed from activations where that sends less, its gradient in blocks otherwise
         (docs/planning.md: a Llama-3-8B on ``v5p-256``).

@@ -28,7 +28,8 @@ With ``weight_gradients="in_blocks"`` (or where the route above sends more, with
 :func:`blocked_lookup` instead: gathered as before for forward, but not kept (the gradient of a
 lookup needs only the ids), its gradient scatter-added and reduce-scattered a block of columns at
 a time ([Note: weight gradient blocks]): the whole gradient never exists, at the reduction's
-bytes. The Llama-3-8B NNX plan on ``v5p-256`` (docs/benchmarks.md, "Kept matrices' gradients in
+bytes. Not where something else reads the gathered table (a tied head): it would be gathered
+twice, and that reader's gradient is whole anyway. The Llama-3-8B NNX plan on ``v5p-256`` (docs/benchmarks.md, "Kept matrices' gradients in
 blocks").
 """
 
