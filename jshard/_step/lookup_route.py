@@ -29,8 +29,8 @@ With ``weight_gradients="in_blocks"`` (or where the route above sends more, with
 lookup needs only the ids), its gradient scatter-added and reduce-scattered a block of columns at
 a time ([Note: weight gradient blocks]): the whole gradient never exists, at the reduction's
 bytes. Not where something else reads the gathered table (a tied head): it would be gathered
-twice, and that reader's gradient is whole anyway. The Llama-3-8B NNX plan on ``v5p-256`` (docs/benchmarks.md, "Kept matrices' gradients in
-blocks").
+twice, and that reader's gradient is whole anyway. The Llama-3-8B NNX plan on ``v5p-256``
+(docs/benchmarks.md, "Kept matrices' gradients in blocks").
 """
 
 from __future__ import annotations
