@@ -78,12 +78,18 @@ def _fwd(comm, params, ids, shard):
     return y.reshape(ids.shape[:-1] + y.shape[-1:]), every
 
 
+def _scattered(comm: LeafComm, params: tuple[tuple[str, Any], ...], ids: jax.Array, dy: jax.Array) -> jax.Array:
+    """The lookup's transpose: every token's row of ``dy`` added into a zero ``[V, dy's columns]``
+    table at its id (``ids``: ``[tokens, 1]``), in ``reduce_dtype`` and the gather's own mode."""
+    zeros = jnp.zeros((comm.layout.shape[0], dy.shape[1]), comm.reduce_dtype)
+    _, scatter = jax.vjp(lambda columns: _lookup(params, columns, ids), zeros)
+    return scatter(dy.astype(comm.reduce_dtype))[0]
+
+
 def _bwd(comm, params, every, dy):
-    axes, (v, d) = comm.axes.shard, comm.layout.shape
+    axes, d = comm.axes.shard, comm.layout.shape[1]
     mine = jax.lax.all_to_all(dy.reshape(-1, d), axes, 1, 0, tiled=True)
-    zeros = jnp.zeros((v, mine.shape[1]), comm.reduce_dtype)
-    _, scatter = jax.vjp(lambda columns: _lookup(params, columns, every), zeros)
-    (gradient,) = scatter(mine.astype(comm.reduce_dtype))
+    gradient = _scattered(comm, params, every, mine)
     if comm.layout.dim == 0:  # each block of rows to the device whose shard it is
         gradient = jax.lax.all_to_all(gradient, axes, 0, 1, tiled=True)
     return None, reduce_summed(comm, gradient)
@@ -108,15 +114,12 @@ def _blocked_fwd(comm, params, ids, shard):
 
 
 def _blocked_bwd(comm, params, rows, dy):
-    (v, d), dy = comm.layout.shape, dy.reshape(-1, comm.layout.shape[1])
+    dy = dy.reshape(-1, comm.layout.shape[1])
 
     def form(part: slice, after: Any) -> jax.Array:
-        g = dy[:, part] if after is None else ordered(dy[:, part], after)
-        zeros = jnp.zeros((v, g.shape[1]), comm.reduce_dtype)
-        _, scatter = jax.vjp(lambda columns: _lookup(params, columns, rows), zeros)
-        return scatter(g.astype(comm.reduce_dtype))[0]
+        return _scattered(comm, params, rows, dy[:, part] if after is None else ordered(dy[:, part], after))
 
-    return None, reduce_summed(comm, reduced_in_blocks(comm, (v, d), form))
+    return None, reduce_summed(comm, reduced_in_blocks(comm, comm.layout.shape, form))
 
 
 blocked_lookup.defvjp(_blocked_fwd, _blocked_bwd)
