@@ -214,3 +214,19 @@ def train_nnx_sgd(model, grad_fn, loss_fn, batches):
         losses.append(float(loss))
     model, _ = nnx.merge(graphdef, state)
     return losses, model, step.lower(state, batches[0]).as_text()
+
+
+def head_loss(params, x):
+    """A language model's end: a unit's ``tanh`` layer, then the root's head (kept gathered) and a
+    logsumexp over its outputs; ``params``: ``{"l0": unit {"w"}, "head": {"w"}}``."""
+    root = js.unshard(params)
+    h = jnp.tanh(x @ js.unshard(root["l0"])["w"])
+    return jnp.mean(jax.nn.logsumexp(h @ root["head"]["w"], axis=-1))
+
+
+def head_params(mesh, policy, width, outputs):
+    """Abstract float32 parameters for :func:`head_loss`, sharded by ``policy``: a ``[width, width]``
+    unit and a ``[width, outputs]`` head in the root."""
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    return js.fully_shard({"l0": js.fully_shard({"w": sds(width, width)}, mesh, policy),
+                           "head": {"w": sds(width, outputs)}}, mesh, policy)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import recipe_and_jshard_flops
+from helpers import head_loss, head_params, recipe_and_jshard_flops
 from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -972,20 +972,12 @@ def test_a_kept_heads_gradient_in_blocks_on_v5p(remat):
     from benchmarks import memory_sweep
 
     mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
-    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-
-    def loss(params, x):
-        root = js.unshard(params)
-        h = jnp.tanh(x @ js.unshard(root["l0"])["w"])
-        return jnp.mean(jax.nn.logsumexp(h @ root["head"]["w"], axis=-1))
-
+    x = jax.ShapeDtypeStruct((8 * 64, 1024), jnp.float32)
     figures = {}
     for route in ("reduced", "in_blocks"):
-        policy = js.FullyShardPolicy(weight_gradients=route)
-        params = js.fully_shard({"l0": js.fully_shard({"w": sds(1024, 1024)}, mesh, policy),
-                                 "head": {"w": sds(1024, 8192)}}, mesh, policy)
-        step = jax.jit(js.value_and_grad(loss, unshard_params=False, remat_policy=remat))
-        figures[route] = memory_sweep.compiled_figures(step, (params, sds(8 * 64, 1024)))
+        params = head_params(mesh, js.FullyShardPolicy(weight_gradients=route), 1024, 8192)
+        step = jax.jit(js.value_and_grad(head_loss, unshard_params=False, remat_policy=remat))
+        figures[route] = memory_sweep.compiled_figures(step, (params, x))
     reduced, blocked = figures["reduced"], figures["in_blocks"]
     assert blocked["peak_bytes"] < (0.6 if remat is None else 0.85) * reduced["peak_bytes"], figures
     for key in ("collective_bytes", "gathers", "flops"):

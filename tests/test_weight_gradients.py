@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import collective_dtypes, train_nnx_sgd, train_sgd
+from helpers import collective_dtypes, head_loss, head_params, train_nnx_sgd, train_sgd
 
 import jshard as js
 from jshard.flax import linen as jlinen
@@ -467,25 +467,17 @@ def test_routed_where_that_sends_less_else_in_blocks(reference, recomputed):
     assert lowered[0] == lowered[1] == {"all_to_all": 0, "reduce_scatter": 4 * 4 + 1}
 
 
-def _head_loss(params, x):  # a language model's end: a unit, then the root's head and a logsumexp
-    root = js.unshard(params)
-    h = jnp.tanh(x @ js.unshard(root["l0"])["w"])
-    return jnp.mean(jax.nn.logsumexp(h @ root["head"]["w"], axis=-1))
-
-
 @pytest.mark.parametrize("remat", [None, jax.checkpoint_policies.nothing_saveable], ids=["kept", "recomputed"])
 def test_a_matrix_kept_gathered_is_gathered_once_with_its_gradient_in_blocks(remat):
     """The root's head (``[64, 512]``), kept gathered, with ``weight_gradients="in_blocks"``: its
     gradient is reduce-scattered in 4 blocks, and it is gathered once, as the reduced route gathers
     it, under jshard's policy (which re-gathers what is not saved by name) and under a
     ``remat_policy`` (where the unit before it, recomputed, keeps the reduced route)."""
-    mesh, sds = js.make_mesh(), lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    mesh, x = js.make_mesh(), jax.ShapeDtypeStruct((16, 64), jnp.float32)
     texts = {}
     for policy in (js.FullyShardPolicy(), BLOCKED):
-        params = js.fully_shard({"l0": js.fully_shard({"w": sds(64, 64)}, mesh, policy), "head": {"w": sds(64, 512)}},
-                                mesh, policy)
-        step = jax.jit(js.value_and_grad(_head_loss, unshard_params=False, remat_policy=remat))
-        texts[policy.weight_gradients] = step.lower(params, sds(16, 64)).as_text()
+        step = jax.jit(js.value_and_grad(head_loss, unshard_params=False, remat_policy=remat))
+        texts[policy.weight_gradients] = step.lower(head_params(mesh, policy, 64, 512), x).as_text()
     head_gathers = {route: len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x512x", text))
                     for route, text in texts.items()}
     assert head_gathers == {"reduced": 1, "in_blocks": 1}
@@ -496,16 +488,15 @@ def test_a_matrix_kept_gathered_is_gathered_once_with_its_gradient_in_blocks(rem
 def test_a_matrix_kept_gathered_and_read_twice_keeps_its_reduction():
     """The root's head read by two matmuls: blocking either would gather it again beside the gather
     the other reads, so both keep it (one gather, its gradient reduced whole)."""
-    mesh, sds = js.make_mesh(), lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    mesh = js.make_mesh()
 
     def loss(params, x):
         root = js.unshard(params)
         h = jnp.tanh(x @ js.unshard(root["l0"])["w"])
         return jnp.mean(jax.nn.logsumexp(h @ root["head"]["w"], axis=-1) + (h @ root["head"]["w"])[:, 0])
 
-    params = js.fully_shard({"l0": js.fully_shard({"w": sds(64, 64)}, mesh, BLOCKED), "head": {"w": sds(64, 512)}},
-                            mesh, BLOCKED)
-    text = jax.jit(js.value_and_grad(loss, unshard_params=False)).lower(params, sds(16, 64)).as_text()
+    params, x = head_params(mesh, BLOCKED, 64, 512), jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    text = jax.jit(js.value_and_grad(loss, unshard_params=False)).lower(params, x).as_text()
     assert len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x512x", text)) == 1
     assert len(re.findall(r"\(tensor<64x512xf32>\) -> tensor<8x512xf32>", text)) == 1
 
