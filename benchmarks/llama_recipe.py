@@ -86,8 +86,8 @@ def jshard_step(mesh: Any, cfg: llama3.LlamaConfig, batch_per_device: int, reduc
                 weight_gradients: str = "reduced") -> tuple[Any, tuple[Any, ...]]:
     """The demo's jshard training step of ``cfg`` (gradients reduced in ``reduce_dtype``, formed by
     ``FullyShardPolicy(weight_gradients=...)``) and its abstract arguments."""
-    config = PlanConfig(batch_per_device=batch_per_device, remat="full", mixed_precision=True,
-                        weight_gradients=weight_gradients)
+    config = PlanConfig(batch_per_device=batch_per_device, remat="full", mixed_precision=True, replicate_below=0,
+                        weight_gradients=weight_gradients)  # FSDP2's layout unless a route is named
     step, args, _ = llama3.build_nnx_model(mesh, config, cfg, reduce_dtype=reduce_dtype)
     return step, args
 

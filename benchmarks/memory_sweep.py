@@ -38,7 +38,9 @@ compiles jshard's steps with ``FullyShardPolicy(replicate_below=N)`` (leaves und
 elements kept whole on every device) and adds ``_replicate_below_N`` to the file's name;
 ``--no-backward-prefetch`` compiles them with ``value_and_grad(backward_prefetch=False)``
 (``_no_backward_prefetch``); ``--weight-gradients from_activations`` compiles them with
-``FullyShardPolicy(weight_gradients="from_activations")`` (``_from_activations``). ``--apply-sgd``
+``FullyShardPolicy(weight_gradients="from_activations")`` (``_from_activations``). Without them jshard's
+steps take FSDP2's layout, not the platform's defaults ([Note: platform defaults]: on TPU v4 and v5p
+``--replicate-below 4096 --weight-gradients from_activations+in_blocks``). ``--apply-sgd``
 compiles every variant's step as a training step that applies its gradients (plain SGD, the
 parameters donated and returned updated; ``_sgd``): there the parameters live until the update,
 where the gradient-only step may use their donated buffers as scratch once it has read them.
@@ -63,6 +65,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import jshard as js
 from jshard._report.report import report_compiled
 from jshard._report.schedule import gather_schedule
+from jshard._sharding.platform_defaults import FSDP2_LAYOUT
 from jshard._sharding.policies import WEIGHT_GRADIENTS
 from jshard.demo import model as T
 from jshard.report import CompileTarget, Memory, matmul_flops, step_collectives, wire_bytes_by_kind
@@ -214,8 +217,11 @@ def recipe_step(m: Model, mesh: Mesh, constrained: bool, apply_sgd: bool = False
 
 def jshard_step(m: Model, mesh: Mesh, backward_prefetch: bool = True, apply_sgd: bool = False,
                 **policy: Any) -> tuple[Any, tuple[Any, ...]]:
-    """jshard's step for ``m`` and its abstract arguments; ``policy``: more ``FullyShardPolicy`` fields;
-    ``backward_prefetch``: :func:`jshard.value_and_grad`'s; ``apply_sgd``: returning the updated parameters."""
+    """jshard's step for ``m`` and its abstract arguments; ``policy``: more ``FullyShardPolicy`` fields, FSDP2's
+    layout where it names none (``replicate_below=0``, ``weight_gradients="reduced"``, whatever the platform's
+    defaults); ``backward_prefetch``: :func:`jshard.value_and_grad`'s; ``apply_sgd``: returning the updated
+    parameters."""
+    policy = {**FSDP2_LAYOUT, **policy}
     params = _params(m)
     mp = js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16) if m.bf16 else \
         js.MixedPrecisionPolicy()

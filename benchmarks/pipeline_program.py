@@ -61,22 +61,26 @@ def _one_device_flops(layers: int, width: int, batch: int) -> float:
 
 
 def pipeline_step(devices, stages: int, layers: int, width: int, batch: int, policy):
-    """The benchmark's pipelined step on ``devices`` as ``(stage, fsdp)``: ``(mesh, lowered, compiled)``."""
+    """The benchmark's pipelined step on ``devices`` as ``(stage, fsdp)``: ``(mesh, lowered, compiled)``. FSDP2's
+    layout on every platform, the one the analytic figures describe ([Note: platform defaults])."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
 
     import jshard as js
+    from jshard._sharding.platform_defaults import FSDP2_LAYOUT
 
     sds = jax.ShapeDtypeStruct
     mesh = Mesh(np.asarray(devices).reshape(stages, 8 // stages), ("stage", "fsdp"))
     stack = js.fully_shard(js.stage_layers({"w": sds((layers, width, width), jnp.float32),
                                             "b": sds((layers, width), jnp.float32)}, mesh), mesh,
-                           js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp")))
+                           js.FullyShardPolicy(scan_axis=0, dp_mesh_dims=js.DataParallelMeshDims(shard="fsdp"),
+                                               **FSDP2_LAYOUT))
     params = js.fully_shard({"w_in": sds((D_IN, width), jnp.float32), "w_out": sds((width, D_OUT), jnp.float32),
                              "stack": stack}, mesh,
-                            js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp"))))
+                            js.FullyShardPolicy(dp_mesh_dims=js.DataParallelMeshDims(shard=("stage", "fsdp")),
+                                                **FSDP2_LAYOUT))
 
     def loss_fn(p, b):
         dense = js.unshard(p)

@@ -117,10 +117,11 @@ def test_the_first_answer_finds_the_full_grids_best_with_fewer_compiles(keep, re
         assert len(routed) <= len(GRID.settings()) // 2, routed
 
 
-def test_a_tie_ranks_the_lower_peak_then_jshards_defaults_first():
+def test_a_tie_ranks_the_lower_peak_then_fsdp2s_layout_first():
     """An option that changes nothing for a model (no matmul routed at its batch) is not the one recommended."""
     def row(peak, speed=100.0, **options):
-        config = PlanConfig(batch_per_device=2, **options)
+        # a plan records the values it compiled
+        config = PlanConfig(batch_per_device=2, **{"replicate_below": 0, "weight_gradients": "reduced", **options})
         plan = SimpleNamespace(config=config, report=SimpleNamespace(memory=SimpleNamespace(peak=peak)))
         return FrontierRow(plan, True, SimpleNamespace(samples_per_second=speed))
 

@@ -137,9 +137,10 @@ def test_a_plan_keeps_small_leaves_whole_with_replicate_below(build, capsys):
     agree, and fewer bytes are gathered. (The Hugging Face builder shares the NNX one's policies.)"""
     main(["plan", build, "--devices", "8", "--replicate-below", "4096", "--json"])
     whole = Plan.from_dict(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert whole.config == PlanConfig(replicate_below=4096)
+    assert whole.config == PlanConfig(replicate_below=4096, weight_gradients="reduced")  # CPU's route, recorded
     assert "leaves under 4096 whole" in whole.config.describe()
     sharded = plan(build, devices=8, config=PlanConfig())
+    assert sharded.config == PlanConfig(replicate_below=0, weight_gradients="reduced")
     for p in (sharded, whole):
         assert p.report.memory.argument == p.report.analytic.argument_bytes
     assert whole.report.memory.argument > sharded.report.memory.argument
@@ -175,7 +176,7 @@ def test_a_plan_forms_weight_gradients_from_activations_where_asked(capsys):
     assert sum(routed.report.collective_bytes.values()) < sum(reduced.report.collective_bytes.values())
     main(["plan", "jshard.demo.plan:build_tiny", "--devices", "8", "--weight-gradients", "from_activations", "--json"])
     tiny = Plan.from_dict(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
-    assert tiny.config == PlanConfig(weight_gradients="from_activations")
+    assert tiny.config == PlanConfig(replicate_below=0, weight_gradients="from_activations")
     assert "weight gradients from activations" in tiny.config.describe()
     looked_up = tiny.report.collective_bytes
     gathered = plan("jshard.demo.plan:build_tiny", devices=8).report.collective_bytes

@@ -26,6 +26,7 @@ from jax_behaviour import other_libtpu
 import jshard as js
 from benchmarks.memory_sweep import ASYNC_COLLECTIVE_FLAGS
 from jshard._sharding.mesh import tensor_parallel_mesh
+from jshard._sharding.platform_defaults import FSDP2_LAYOUT  # named by the tests of its reductions on v5p
 from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._sharding.torus import gather_phases, scatter_phases, slice_of
 from jshard.report import CompileTarget, Memory, PlanConfig, plan, scaling, step_collectives, step_report
@@ -207,7 +208,7 @@ def test_v5p_reduces_gradients_in_torus_phases():
     assert scatter_phases(js.make_mesh(devices=_tpu("v5p:2x2x2")), ("fsdp",)) == (2, 2, 2)
     assert scatter_phases(tensor_parallel_mesh(2, devices=_tpu("v5p:2x2x2")), ("fsdp",)) == (2, 2)
     assert scatter_phases(jax.make_mesh((8,), ("fsdp",), devices=_tpu("v6e:2x4")), ("fsdp",)) == ()
-    p = plan(_mlp_builder, target="tpu:v5p:2x2x2")
+    p = plan(_mlp_builder, target="tpu:v5p:2x2x2", config=PlanConfig(**FSDP2_LAYOUT))
     scatters = [c for c in p.report.collectives if c.kind == "reduce-scatter"]
     # [Note: two phases]: the stacked layers one phase per dimension, the head (unrolled) two.
     assert {c.group_size for c in scatters if c.in_loop} == {2}
@@ -221,9 +222,10 @@ def test_v5p_reduces_gradients_in_torus_phases():
 def _wide_builder(mesh, config=None, unit_collectives=False):
     """A 4096-wide layer of two matrices (64 MiB gradients each) and a head, abstract."""
     sds = jax.ShapeDtypeStruct
-    policy = js.FullyShardPolicy(unit_collectives=unit_collectives)
+    policy = js.FullyShardPolicy(unit_collectives=unit_collectives, **FSDP2_LAYOUT)
     layer = js.fully_shard({"w": sds((4096, 4096), jnp.float32), "v": sds((4096, 4096), jnp.float32)}, mesh, policy)
-    params = js.fully_shard({"layer": layer, "head": sds((4096, 128), jnp.float32)}, mesh)
+    params = js.fully_shard({"layer": layer, "head": sds((4096, 128), jnp.float32)}, mesh,
+                            js.FullyShardPolicy(**FSDP2_LAYOUT))
 
     def loss_fn(p, x):
         layer = js.unshard(p["layer"])
@@ -296,10 +298,11 @@ def _small_unit_builder(mesh, config=None):
     """Two layers of a matrix and a bias each, one unit per layer, one collective per unit: each
     device's flat buffer holds 64 * 96 / 8 + 96 / 8 = 780 elements, not a multiple of 128."""
     sds = jax.ShapeDtypeStruct
-    policy = js.FullyShardPolicy(unit_collectives=True)
+    policy = js.FullyShardPolicy(unit_collectives=True, **FSDP2_LAYOUT)
     layers = [js.fully_shard({"w": sds((64, 96), jnp.float32), "b": sds((96,), jnp.float32)}, mesh, policy)
               for _ in range(2)]
-    params = js.fully_shard({"layers": layers, "head": sds((96, 64), jnp.float32)}, mesh)
+    params = js.fully_shard({"layers": layers, "head": sds((96, 64), jnp.float32)}, mesh,
+                            js.FullyShardPolicy(**FSDP2_LAYOUT))
 
     def loss_fn(p, x):
         for layer in p["layers"]:
@@ -420,7 +423,8 @@ def _flax_stack_training_step(front: str, model, mesh) -> tuple:
     from jshard.flax import nnx as jnnx
 
     width = model.width
-    policy = js.FullyShardPolicy(mp_policy=js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16), replicate_below=4096)
+    policy = js.FullyShardPolicy(mp_policy=js.MixedPrecisionPolicy(param_dtype=jnp.bfloat16), replicate_below=4096,
+                                 weight_gradients="reduced")
     remat = jax.checkpoint_policies.nothing_saveable
     loss = lambda h: jnp.mean(h.astype(jnp.float32) ** 2)  # noqa: E731
     batch = jax.ShapeDtypeStruct((model.batch, width), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
@@ -736,7 +740,7 @@ def test_a_step_on_a_4x4x4_v5p_slice_gathers_natively_at_the_ring_bytes():
     the slice as an all-reduce: all-gathers carry (N-1)/N of the parameters per gather, in bf16
     (forward, and backward's re-gather of the stacked layers), gradient reductions too, and
     what is all-reduced (small leaves' phases, the loss) is a few percent of it."""
-    p = plan(_mlp_builder, target="tpu:v5p:4x4x4")
+    p = plan(_mlp_builder, target="tpu:v5p:4x4x4", config=PlanConfig(**FSDP2_LAYOUT))
     blocks, head = 2 * 2 * 256 * 512 * 4, 256 * 128 * 4
     large = [c for c in p.report.collectives if c.bytes > 64]
     assert {c.group_size for c in large if c.kind == "all-gather" or c.in_loop} == {4}
@@ -868,7 +872,8 @@ def _demo_llama_tiny_on_v5p(weight_gradients: str):
     from jshard.demo import llama3
 
     mesh = target_mesh(CompileTarget.parse("tpu:v5p:2x2x2"))
-    config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True, weight_gradients=weight_gradients)
+    config = PlanConfig(batch_per_device=1, remat="full", mixed_precision=True, replicate_below=0,
+                        weight_gradients=weight_gradients)
     step, args, _ = llama3.build_nnx_model(mesh, config, llama3.TINY)
     return step.lower(*args).compile()
 
@@ -926,9 +931,9 @@ def test_llama3_8b_plans_on_the_tpu_compiler_as_docs_planning_says(build, peak_m
     XLA:TPU makes that one an all-reduce, 221.3 MiB; the Hugging Face model's 32 unrolled layers,
     reduced in two phases, pad 6 MiB less than the NNX scan's), all-gathers at it or one decoder
     layer's gather short (the Hugging Face model's last layer's re-gather, merged with its forward
-    gather) and the peak as measured."""
+    gather) and the peak as measured. FSDP2's layout, named: v5p's own defaults route the gradients."""
     p = plan(f"jshard.demo.llama3:{build}", target="tpu:v5p-256",
-             config=PlanConfig(mixed_precision=True, remat="full"))
+             config=PlanConfig(mixed_precision=True, remat="full", **FSDP2_LAYOUT))
     a, mib = p.report.analytic, 2.0**20
     wire = p.report.collective_bytes
     assert p.platform == "tpu" and a.devices == 128 and a.params == 8_030_261_248

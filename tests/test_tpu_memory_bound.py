@@ -10,6 +10,7 @@ from memory_models import KINDS, activation_bytes, fsdp2_bound, layer_bytes, ste
 
 import jshard as js
 from benchmarks import heap_at_peak, memory_sweep
+from jshard._sharding.platform_defaults import FSDP2_LAYOUT
 from jshard.report import CompileTarget
 
 
@@ -30,10 +31,12 @@ def _mixed_precision(precision: str) -> js.MixedPrecisionPolicy:
     return js.MixedPrecisionPolicy() if precision == "fp32" else js.MixedPrecisionPolicy(jnp.bfloat16, jnp.float32)
 
 
-def _bound_growth(kind: str, raf: bool, precision: str, width: int = 2048) -> tuple[float, dict[int, int]]:
-    """Per extra layer, from 4 to 12, the HBM temporaries' growth; and the allocation at each depth."""
+def _bound_growth(kind: str, raf: bool, precision: str, width: int = 2048, **layout) -> tuple[float, dict[int, int]]:
+    """Per extra layer, from 4 to 12, the HBM temporaries' growth; and the allocation at each depth. FSDP2's
+    layout unless ``layout`` says otherwise (v5p's own defaults differ: [Note: platform defaults])."""
     mesh = _v5p_mesh()
-    policy = js.FullyShardPolicy(reshard_after_forward=raf, mp_policy=_mixed_precision(precision))
+    layout = {**FSDP2_LAYOUT, **layout}
+    policy = js.FullyShardPolicy(reshard_after_forward=raf, mp_policy=_mixed_precision(precision), **layout)
     stats = {layers: step_memory(kind, layers, policy, mesh, width)[0] for layers in (4, 12)}
     grown = (_hbm_temporaries(stats[12]) - _hbm_temporaries(stats[4])) / 8
     return grown, {layers: s.temp_size_in_bytes for layers, s in stats.items()}
@@ -56,6 +59,20 @@ def test_the_memory_bound_holds_for_every_kind_of_unit_on_v5p(kind):
         assert grown <= 3 * activation_bytes(2048) + layer_bytes(2048) // 16, (kind, precision, grown / 2**20)
         for layers, allocated in temp.items():
             assert allocated <= fsdp2_bound(layers, 2048), (kind, precision, layers, allocated / 2**20)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_v5ps_own_defaults_gather_no_layer_at_any_depth(kind):
+    """[Note: platform defaults]: with v5p's own defaults each layer's matmuls run from exchanged
+    activations (256 rows against 2048 inputs: that sends less), so no layer is gathered at all. An
+    extra layer adds its activations and the route's exchanged copies of them, at most eight
+    activations (measured, fp32: 1.38-2.01 MiB per layer, under an eighth of a gathered layer), and
+    the allocation stays under a third of FSDP2's bound (3.1-7.1 MiB at 4 layers, 5.4-23.6 at 12,
+    against 76.1 and 98.1). With FSDP2's layout it is above a third at 12 layers (35.2-57.0 MiB)."""
+    grown, temp = _bound_growth(kind, True, "fp32", replicate_below=None, weight_gradients=None)
+    assert grown <= 8 * activation_bytes(2048) + layer_bytes(2048) // 64, (kind, grown / 2**20)
+    for layers, allocated in temp.items():
+        assert allocated <= fsdp2_bound(layers, 2048) / 3, (kind, layers, allocated / 2**20)
 
 
 @pytest.mark.parametrize("kind", ["core", "scan"])

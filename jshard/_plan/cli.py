@@ -22,7 +22,7 @@ from jshard._sharding.policies import WEIGHT_GRADIENTS
 DEMO = "jshard.demo.plan:build_{size}"
 _SIZES = ("tiny", "small", "medium", "1b")
 _CHOICE = {"both": (True, False), "true": (True,), "false": (False,)}
-_ROUTES = {"both": ("reduced", "from_activations"), "all": WEIGHT_GRADIENTS,
+_ROUTES = {"default": (None,), "both": ("reduced", "from_activations"), "all": WEIGHT_GRADIENTS,
            **{route: (route,) for route in WEIGHT_GRADIENTS}}
 
 
@@ -67,12 +67,14 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=REMATS, default="default")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 params and all-gather, fp32 reduce")
     parser.add_argument("--offload", action="store_true", help="state in pinned host memory")
-    parser.add_argument("--replicate-below", type=int, default=0, metavar="N",
-                        help="keep leaves under N elements whole on every device (default 0: shard every leaf)")
-    parser.add_argument("--weight-gradients", choices=WEIGHT_GRADIENTS, default="reduced",
-                        help="reduced (FSDP2's, default), from_activations (matmuls of a unit's matrix on "
-                             "the shard, activations exchanged, where that sends less) or in_blocks (its "
-                             "gradient formed and reduce-scattered a block at a time)")
+    parser.add_argument("--replicate-below", type=int, default=None, metavar="N",
+                        help="keep leaves under N elements whole on every device (0: shard every leaf; default: "
+                             "the target's choice, 4096 on TPU v4 and v5p, else 0)")
+    parser.add_argument("--weight-gradients", choices=WEIGHT_GRADIENTS, default=None,
+                        help="reduced (FSDP2's), from_activations (matmuls of a unit's matrix on the shard, "
+                             "activations exchanged, where that sends less), in_blocks (its gradient formed and "
+                             "reduce-scattered a block at a time) or both (the first, else the second); default: "
+                             "the target's choice, from_activations+in_blocks on TPU v4 and v5p, else reduced")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # a PlanConfig as JSON (planning subprocesses)
 
 
@@ -103,11 +105,12 @@ def parser() -> argparse.ArgumentParser:
     search.add_argument("--reshard-after-forward", choices=sorted(_CHOICE), default="both")
     search.add_argument("--mixed-precision", choices=sorted(_CHOICE), default="both")
     search.add_argument("--offload", choices=sorted(_CHOICE), default="false")
-    search.add_argument("--replicate-below", type=_counts, default=[0], metavar="N[,N...]",
-                        help="replicate_below values to try, e.g. 0,4096 (default 0: every leaf sharded)")
-    search.add_argument("--weight-gradients", choices=sorted(_ROUTES), default="reduced",
-                        help="reduced (default), from_activations, in_blocks, both (reduced and "
-                             "from_activations) or all three, each a setting of its own")
+    search.add_argument("--replicate-below", type=_counts, default=[None], metavar="N[,N...]",
+                        help="replicate_below values to try, e.g. 0,4096 (default: the target's choice)")
+    search.add_argument("--weight-gradients", choices=sorted(_ROUTES), default="default",
+                        help="default (the target's choice), reduced, from_activations, in_blocks, "
+                             "from_activations+in_blocks, both (reduced and from_activations) or all four, each a "
+                             "setting of its own")
     search.add_argument("--full", action="store_true",
                         help="compile the whole grid (default: a first answer, pruned from what was compiled)")
     search.add_argument("--hardware-json", help=argparse.SUPPRESS)

@@ -28,6 +28,7 @@ from jshard._plan.hardware import HardwareProfile
 from jshard._plan.planner import Plan, compile_target, plan_here, plan_mesh, run_in_devices
 from jshard._plan.search import FrontierRow, Grid, Skipped, first_answer, full_grid
 from jshard._plan.target import REMATS, PlanConfig, spec_of
+from jshard._sharding.platform_defaults import platform_layout
 
 CPU_CAVEAT = (
     "Memory is XLA:CPU's compiled program for simulated devices. A GPU or TPU compiler fuses, schedules and "
@@ -87,7 +88,7 @@ class Frontier:
 
 
 def _rank(row: FrontierRow) -> tuple:
-    """Fastest per sample first; on a tie the lower peak, then jshard's defaults (weight gradients reduced,
+    """Fastest per sample first; on a tie the lower peak, then FSDP2's layout (weight gradients reduced,
     every leaf sharded): an option that changes nothing for this model is not the one recommended."""
     config = row.plan.config
     return (-row.estimate.samples_per_second, row.plan.report.memory.peak, config.weight_gradients != "reduced",
@@ -98,7 +99,7 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
              replicate: int = 1, tensor_parallel: int = 1, batches: Sequence[int] = (1, 2, 4, 8, 16),
              reshard_after_forward: Sequence[bool] = (True, False), remats: Sequence[str] = REMATS,
              mixed_precision: Sequence[bool] = (True, False), offload: Sequence[bool] = (False,),
-             replicate_below: Sequence[int] = (0,), weight_gradients: Sequence[str] = ("reduced",),
+             replicate_below: Sequence[int | None] = (None,), weight_gradients: Sequence[str | None] = (None,),
              target: str | CompileTarget | None = None, full: bool = False) -> Frontier:
     """Search the configurations of ``build`` that fit ``budget`` bytes per device, compile only.
 
@@ -108,7 +109,8 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
     many simulated CPU devices (as :func:`plan` does); ``target`` plans on another compiler
     (``"tpu:v5p-256"``: see [Note: compile target]). ``replicate_below`` and ``weight_gradients``
     are :class:`PlanConfig`'s, each value tried as a setting of its own (``(0, 4096)``,
-    ``("reduced", "from_activations")``: plan both, as docs/planning.md advises on XLA:TPU).
+    ``("reduced", "from_activations")``: plan both, as docs/planning.md advises on XLA:TPU); ``None``
+    (the default) is the target's choice ([Note: platform defaults]).
     See [Note: frontier].
 
     Example:
@@ -119,9 +121,12 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
       >>> [(row.plan.config.batch_per_device, row.fits) for row in f.rows], f.ranked
       ([(64, False)], [])
     """
-    grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload),
-                list(replicate_below), list(weight_gradients))
     where = compile_target(target, devices)
+    layout = platform_layout(where.tpu_devices()[0].device_kind if where.platform == "tpu" else "cpu")
+    chosen = {name: list(dict.fromkeys(layout[name] if v is None else v for v in values))
+              for name, values in (("replicate_below", replicate_below), ("weight_gradients", weight_gradients))}
+    grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload),
+                **chosen)
     devices = where.devices
     if where.platform == "cpu" and len(jax.devices()) < devices:
         argv = ["frontier", spec_of(build), "--devices", str(devices), "--replicate", str(replicate),

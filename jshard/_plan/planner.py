@@ -182,6 +182,7 @@ def lower_target(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.
 def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sharding.Mesh) -> Plan:
     """Build, lower and compile on ``mesh`` in this process."""
     start = time.perf_counter()
+    config = config.for_devices(mesh.devices.flat[0].device_kind)
     spec, args, params, lowered = lower_target(build, config, mesh)
     dump = os.environ.get(_DUMP_ENV)
     if dump:  # only the step's compile: see [Note: temporary buffers]

@@ -21,6 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from jshard._sharding.platform_defaults import platform_layout
 from jshard._sharding.policies import WEIGHT_GRADIENTS
 
 REMATS = ("default", "full", "dots")
@@ -40,13 +41,14 @@ class PlanConfig:
       offload: parameters, gradients and optimizer state in pinned host memory.
       replicate_below: ``FullyShardPolicy(replicate_below=...)`` for the units: leaves under
         this many elements (biases, norm scales) kept whole on every device; ``0`` shards every
-        leaf. On XLA:TPU the training step's peak is lower with vectors whole in most models
-        (docs/planning.md); plan both.
+        leaf; ``None`` (default): the target's choice ([Note: platform defaults]).
       weight_gradients: ``FullyShardPolicy(weight_gradients=...)`` for the units:
         ``"reduced"`` (FSDP2's), ``"from_activations"`` (a matmul of a unit's matrix run on the
         shard with its activations exchanged where that sends less: small global batches;
         docs/planning.md; plan both), ``"in_blocks"`` (its gradient formed and reduce-scattered
-        a block at a time) or ``"from_activations+in_blocks"`` (the first, else the second).
+        a block at a time), ``"from_activations+in_blocks"`` (the first, else the second) or
+        ``None`` (default): the target's choice. A plan records the values it compiled
+        (:meth:`for_devices`).
 
     Example:
       >>> from jshard.report import PlanConfig
@@ -59,8 +61,8 @@ class PlanConfig:
     remat: str = "default"
     mixed_precision: bool = False
     offload: bool = False
-    replicate_below: int = 0
-    weight_gradients: str = "reduced"
+    replicate_below: int | None = None
+    weight_gradients: str | None = None
 
     def __post_init__(self):
         if isinstance(self.batch_per_device, bool) or not isinstance(self.batch_per_device, int) \
@@ -72,12 +74,24 @@ class PlanConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PlanConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         below = self.replicate_below
-        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
-            raise ValueError(f"PlanConfig.replicate_below must be a non-negative int (a number of elements), "
+        if below is not None and (isinstance(below, bool) or not isinstance(below, int) or below < 0):
+            raise ValueError(f"PlanConfig.replicate_below must be a non-negative int (a number of elements) or None, "
                              f"got {below!r}; 0 shards every leaf.")
-        if self.weight_gradients not in WEIGHT_GRADIENTS:
-            raise ValueError(f"PlanConfig.weight_gradients must be one of {WEIGHT_GRADIENTS}, "
+        if self.weight_gradients not in (None, *WEIGHT_GRADIENTS):
+            raise ValueError(f"PlanConfig.weight_gradients must be one of {WEIGHT_GRADIENTS} or None, "
                              f"got {self.weight_gradients!r}.")
+
+    def for_devices(self, device_kind: str) -> PlanConfig:
+        """This configuration with the settings it leaves ``None`` chosen for ``device_kind`` as
+        ``fully_shard`` chooses them ([Note: platform defaults]).
+
+        Example:
+          >>> from jshard.report import PlanConfig
+          >>> PlanConfig().for_devices("TPU v5").weight_gradients
+          'from_activations+in_blocks'
+        """
+        unset = {name: value for name, value in platform_layout(device_kind).items() if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset)
 
     def remat_policy(self) -> Callable[..., Any] | None:
         """The ``remat_policy`` to hand ``js.value_and_grad`` (``None`` for jshard's default)."""
@@ -93,7 +107,7 @@ class PlanConfig:
                 + ("bf16/fp32" if self.mixed_precision else "fp32") + ", "
                 + ("offload" if self.offload else "on device")
                 + (f", leaves under {self.replicate_below} whole" if self.replicate_below else "")
-                + {"reduced": "", "from_activations": ", weight gradients from activations",
+                + {None: "", "reduced": "", "from_activations": ", weight gradients from activations",
                    "in_blocks": ", weight gradients in blocks",
                    "from_activations+in_blocks": ", weight gradients from activations, else in blocks",
                    }[self.weight_gradients])

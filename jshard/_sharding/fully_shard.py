@@ -18,6 +18,7 @@ from jshard._sharding.agreement import check_unit
 from jshard._sharding.layout import LeafLayout, leaf_layout, named_sharding, pad, pad_layers, unpad, unpad_layers
 from jshard._sharding.mesh import check_reshard_group, make_mesh, resolve_axes
 from jshard._sharding.model_axes import model_spec
+from jshard._sharding.platform_defaults import for_mesh
 from jshard._sharding.policies import FullyShardPolicy
 from jshard._sharding.stages import StagedLayers
 from jshard._sharding.traced import (
@@ -122,7 +123,8 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
         of pytrees that form one unit together, or a stack laid out by
         :func:`jshard.stage_layers` (its layer count is recorded in the unit).
       mesh: the mesh (default: :func:`jshard.make_mesh`).
-      policy: a :class:`jshard.FullyShardPolicy` (default: ``FullyShardPolicy()``).
+      policy: a :class:`jshard.FullyShardPolicy` (default: ``FullyShardPolicy()``); the settings
+        it leaves ``None`` are filled in for the mesh's devices ([Note: platform defaults]).
 
     Returns:
       An :class:`jshard.FSDPUnit`, indexable like ``params``.
@@ -154,7 +156,7 @@ def fully_shard(params: Any, mesh: Mesh | None = None, policy: FullyShardPolicy 
         raise ValueError("fully_shard got an empty pytree (no leaves): pass the parameters to shard.")
     _check_list_of_subtrees(params)
     mesh = make_mesh() if mesh is None else mesh
-    policy = FullyShardPolicy() if policy is None else policy
+    policy = for_mesh(FullyShardPolicy() if policy is None else policy, mesh)  # [Note: platform defaults]
     params, layers = _unstaged(params, policy)
     axes = resolve_axes(mesh, policy.dp_mesh_dims)
     check_reshard_group(axes, policy)

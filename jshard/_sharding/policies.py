@@ -252,10 +252,13 @@ class FullyShardPolicy:
         Sharded, biases and norm scales cost one small collective each per gather, which
         XLA:TPU's combiners merge across units (docs/benchmarks.md); whole, each costs
         ``size * (N - 1) / N`` more elements of memory per device and fewer bytes on the wire.
-        ``0`` (default): every leaf is sharded, as in FSDP2. Leaves split over model axes stay
-        sharded.
-      weight_gradients: ``"reduced"`` (default): a gathered leaf's gradient is formed whole on
-        every device from its own rows and reduce-scattered, as in FSDP2.
+        ``0``: every leaf is sharded, as in FSDP2. Leaves split over model axes stay sharded.
+        ``None`` (default): the platform's choice, filled in by ``fully_shard`` from the mesh's
+        devices: ``4096`` on TPU v4 and v5p, ``0`` elsewhere ([Note: platform defaults]).
+      weight_gradients: ``"reduced"``: a gathered leaf's gradient is formed whole on every device
+        from its own rows and reduce-scattered, as in FSDP2. ``None`` (default): the platform's
+        choice, as for ``replicate_below``: ``"from_activations+in_blocks"`` on TPU v4 and v5p,
+        ``"reduced"`` elsewhere.
         ``"from_activations"``: where the unit's matrix ``w`` (2-D, sharded without padding,
         freed after forward, no model axes, offload or custom collectives) is read by a matmul
         ``x @ w`` (in straight-line code or a loop over stacked layers), that matmul runs on the
@@ -311,8 +314,8 @@ class FullyShardPolicy:
     custom_reduce_scatter: ReduceScatter | None = None
     all_reduce_hook: AllReduce | None = None
     unit_collectives: bool = False
-    replicate_below: int = 0
-    weight_gradients: str = "reduced"
+    replicate_below: int | None = None
+    weight_gradients: str | None = None
 
     def __post_init__(self):
         raf = self.reshard_after_forward
@@ -330,14 +333,15 @@ class FullyShardPolicy:
                 f"{self.scan_axis!r}; move the layer axis to the front (jnp.moveaxis)."
             )
         below = self.replicate_below
-        if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+        if below is not None and (isinstance(below, bool) or not isinstance(below, int) or below < 0):
             raise ValueError(
-                f"`replicate_below` must be a non-negative int (a number of elements), got {below!r}; "
+                f"`replicate_below` must be a non-negative int (a number of elements) or None, got {below!r}; "
                 "0 shards every leaf."
             )
-        if self.weight_gradients not in WEIGHT_GRADIENTS:
-            raise ValueError(f"`weight_gradients` must be one of {WEIGHT_GRADIENTS}, got {self.weight_gradients!r}.")
-        if self.gradient_routes and self.unit_collectives:
+        if self.weight_gradients not in (None, *WEIGHT_GRADIENTS):
+            raise ValueError(f"`weight_gradients` must be one of {WEIGHT_GRADIENTS} or None, "
+                             f"got {self.weight_gradients!r}.")
+        if self.weight_gradients is not None and self.gradient_routes and self.unit_collectives:
             raise ValueError(f"`weight_gradients={self.weight_gradients!r}` forms each matrix's gradient in its own "
                              "collectives; it cannot share the unit's flat buffer: set `unit_collectives=False`.")
         factor = self.gradient_divide_factor
@@ -353,6 +357,9 @@ class FullyShardPolicy:
           >>> sorted(js.FullyShardPolicy(weight_gradients="from_activations+in_blocks").gradient_routes)
           ['from_activations', 'in_blocks']
         """
+        if self.weight_gradients is None:
+            raise ValueError("`weight_gradients=None` is the platform's choice, which `fully_shard` fills in from "
+                             "the mesh: read `unit.meta.policy`, or name the route.")
         return frozenset(self.weight_gradients.split("+")) - {"reduced"}
 
     def resolved_reshard_after_forward(self, root: bool) -> bool | int:

@@ -221,8 +221,8 @@ def place_tensor_parallel(params: Any, mesh: Any) -> Any:
 
 def shard_lm(params: Any, mesh: Any, mp_policy: Any = None, offload_policy: Any = None,
              custom_all_gather: Any = None, unit_collectives: bool = False,
-             reshard_after_forward: bool = True, replicate_below: int = 0,
-             weight_gradients: str = "reduced") -> Any:
+             reshard_after_forward: bool = True, replicate_below: int | None = None,
+             weight_gradients: str | None = None) -> Any:
     """The model as jshard units: the stacked blocks (``scan_axis=0``) inside a root unit;
     ``replicate_below``: leaves under that many elements (per layer) kept whole;
     ``weight_gradients``: ``FullyShardPolicy``'s."""

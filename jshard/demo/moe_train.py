@@ -196,9 +196,10 @@ def build_mixtral(mesh: Mesh, config: Any = None, cfg: MoEConfig = MIXTRAL_8X7B,
     from jshard.report import PlanConfig, abstract_result
 
     config = config or PlanConfig()
+    default = PlanConfig().for_devices(mesh.devices.flat[0].device_kind)  # what its units get unasked
     unread = {name: getattr(config, name)
               for name in ("reshard_after_forward", "remat", "offload", "replicate_below", "weight_gradients")
-              if getattr(config, name) != getattr(PlanConfig(), name)}
+              if getattr(config, name) not in (getattr(PlanConfig(), name), getattr(default, name))}
     if unread:
         raise ValueError(f"build_mixtral reads only batch_per_device and mixed_precision of its PlanConfig, "
                          f"not {unread}: plan it without them.")
