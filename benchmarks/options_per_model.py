@@ -1,14 +1,16 @@
 """jshard's lowest peak per model over the stored sweeps of its options, against the best recipe.
 
-``python -m benchmarks.options_per_model --target tpu_v5p_2x2x2`` reads the five training-step
+``python -m benchmarks.options_per_model --target tpu_v5p_2x2x2`` reads the six training-step
 sweeps of :mod:`benchmarks.memory_sweep` stored for that target (``--apply-sgd``: vectors sharded
 or kept whole by ``--replicate-below 4096``, weight gradients reduced or ``from_activations``,
-and vectors sharded with weight gradients ``in_blocks``), takes for each model the lowest of
-jshard's five peaks and the lowest recipe peak of the files (the recipes compile to the same
-figures in each), and prints a Markdown row for each model whose lowest jshard peak is still
-above that recipe: what ``python -m jshard.report frontier ... --replicate-below 0,4096
---weight-gradients all`` can choose between, per model
-(docs/benchmarks.md, "The options searched per model"). Nothing is compiled.
+vectors sharded with weight gradients ``in_blocks``, and vectors whole with
+``from_activations+in_blocks``), takes for each model the lowest of jshard's six peaks and the
+lowest recipe peak of the files (the recipes compile to the same figures in each), and prints a
+Markdown row for each model whose lowest jshard peak is still above that recipe: what ``python -m
+jshard.report frontier ... --replicate-below 0,4096 --weight-gradients all`` can choose between,
+per model (docs/benchmarks.md, "The options searched per model"). It first says how many models
+jshard's own defaults on that target leave above the recipe ([Note: platform defaults]: the
+option sweep they equal). Nothing is compiled.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import pathlib
 from typing import Any
 
 from benchmarks.memory_sweep import RESULTS, exceeds, options_suffix
+from jshard._sharding.platform_defaults import platform_layout
+from jshard.report import CompileTarget
 
 # The options, by name: (replicate_below, weight_gradients) as memory_sweep's sweeps ran them.
 OPTIONS = {"vectors sharded, reduced": (0, "reduced"), "vectors whole, reduced": (4096, "reduced"),
            "vectors sharded, routed": (0, "from_activations"), "vectors whole, routed": (4096, "from_activations"),
-           "vectors sharded, in blocks": (0, "in_blocks")}
+           "vectors sharded, in blocks": (0, "in_blocks"), "vectors whole, both": (4096, "from_activations+in_blocks")}
 
 
 def option_files(target: str, folder: pathlib.Path = RESULTS) -> dict[str, pathlib.Path]:
@@ -54,6 +58,19 @@ def best_per_model(sweeps: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def default_option(target: str) -> str:
+    """The option whose sweep jshard's defaults compile to on ``target`` (a stored sweep's target name).
+
+    Example:
+      >>> default_option("tpu_v5p_2x2x2_async"), default_option("tpu_v6e_2x4")
+      ('vectors whole, both', 'vectors sharded, reduced')
+    """
+    kind = CompileTarget.parse(":".join(target.removesuffix("_async").split("_", 2))).tpu_devices()[0].device_kind
+    layout = platform_layout(kind)
+    return next(name for name, options in OPTIONS.items()
+                if options == (layout["replicate_below"], layout["weight_gradients"]))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tpu_v5p_2x2x2",
@@ -66,9 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         raise SystemExit(f"No stored sweep {', '.join(missing)}: run benchmarks.memory_sweep --apply-sgd with "
                          "that option first.")
-    rows = best_per_model({option: json.loads(path.read_text()) for option, path in files.items()})
+    sweeps = {option: json.loads(path.read_text()) for option, path in files.items()}
+    rows = best_per_model(sweeps)
     above = [r for r in rows if exceeds(r["jshard"], r["recipe"])]
     mib = 2**20
+    default = default_option(args.target)
+    recipes = {r["name"]: r["recipe"] for r in rows}
+    peaks = [(m["peak_bytes"]["jshard"], recipes[m["name"]]) for m in sweeps[default]["models"]]
+    print(f"{args.target}: jshard's defaults ({default}) above the best recipe in "
+          f"{sum(exceeds(*p) for p in peaks)} of {len(peaks)} models, worst {max(a / b for a, b in peaks):.3f}")
     print(f"{args.target}: jshard's lowest of {len(files)} options above the best recipe in {len(above)} of "
           f"{len(rows)} models")
     print("| model | best recipe MiB | jshard's lowest MiB | ratio | option |\n|---|---|---|---|---|")
