@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from jshard._sharding.platform_defaults import platform_layout
+from jshard._sharding.platform_defaults import platform_layout, unset
 from jshard._sharding.policies import WEIGHT_GRADIENTS
 
 REMATS = ("default", "full", "dots")
@@ -90,8 +90,7 @@ class PlanConfig:
           >>> PlanConfig().for_devices("TPU v5").weight_gradients
           'from_activations+in_blocks'
         """
-        unset = {name: value for name, value in platform_layout(device_kind).items() if getattr(self, name) is None}
-        return dataclasses.replace(self, **unset)
+        return dataclasses.replace(self, **unset(self, platform_layout(device_kind)))
 
     def remat_policy(self) -> Callable[..., Any] | None:
         """The ``remat_policy`` to hand ``js.value_and_grad`` (``None`` for jshard's default)."""

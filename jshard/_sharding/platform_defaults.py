@@ -25,6 +25,7 @@ buffer). Set either field to override the platform's choice.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -52,6 +53,18 @@ def platform_layout(device_kind: str, unit_collectives: bool = False) -> dict[st
     return {**layout, "weight_gradients": "reduced"} if unit_collectives else layout
 
 
+def unset(settings: Any, layout: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``layout`` that ``settings`` (a policy, a plan's configuration) leaves ``None``.
+
+    Example:
+      >>> import jshard as js
+      >>> from jshard._sharding.platform_defaults import V5P_LAYOUT, unset
+      >>> unset(js.FullyShardPolicy(replicate_below=0), V5P_LAYOUT)
+      {'weight_gradients': 'from_activations+in_blocks'}
+    """
+    return {name: value for name, value in layout.items() if getattr(settings, name) is None}
+
+
 def for_mesh(policy: FullyShardPolicy, mesh: Mesh) -> FullyShardPolicy:
     """``policy`` with its ``None`` ``replicate_below`` and ``weight_gradients`` set for ``mesh``'s devices.
 
@@ -64,6 +77,5 @@ def for_mesh(policy: FullyShardPolicy, mesh: Mesh) -> FullyShardPolicy:
       >>> for_mesh(js.FullyShardPolicy(weight_gradients="in_blocks"), js.make_mesh()).weight_gradients
       'in_blocks'
     """
-    layout = platform_layout(mesh.devices.flat[0].device_kind, policy.unit_collectives)
-    unset = {name: value for name, value in layout.items() if getattr(policy, name) is None}
-    return dataclasses.replace(policy, **unset) if unset else policy
+    chosen = unset(policy, platform_layout(mesh.devices.flat[0].device_kind, policy.unit_collectives))
+    return dataclasses.replace(policy, **chosen) if chosen else policy
