@@ -215,7 +215,7 @@ def test_recomputed_block_routed_whole_or_not_at_all_looks_inside_nested_calls()
 
 def test_policy_errors():
     with pytest.raises(ValueError, match=r"must be one of \('reduced', 'from_activations', 'in_blocks', "
-                                         r"'from_activations\+in_blocks'\), got 'activations'"):
+                                         r"'from_activations\+in_blocks'\) or None, got 'activations'"):
         js.FullyShardPolicy(weight_gradients="activations")
     for route in ("from_activations", "in_blocks", "from_activations+in_blocks"):
         message = rf"`weight_gradients='{re.escape(route)}'` .* set `unit_collectives=False`"
@@ -475,7 +475,7 @@ def test_a_matrix_kept_gathered_is_gathered_once_with_its_gradient_in_blocks(rem
     ``remat_policy`` (where the unit before it, recomputed, keeps the reduced route)."""
     mesh, x = js.make_mesh(), jax.ShapeDtypeStruct((16, 64), jnp.float32)
     texts = {}
-    for policy in (js.FullyShardPolicy(), BLOCKED):
+    for policy in (js.FullyShardPolicy(weight_gradients="reduced"), BLOCKED):
         step = jax.jit(js.value_and_grad(head_loss, unshard_params=False, remat_policy=remat))
         texts[policy.weight_gradients] = step.lower(head_params(mesh, policy, 64, 512), x).as_text()
     head_gathers = {route: len(re.findall(r"stablehlo\.all_gather.*-> tensor<64x512x", text))
