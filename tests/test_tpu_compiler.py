@@ -53,6 +53,16 @@ def test_tpu_targets_follow_cloud_tpu_names(name, topology, devices):
     assert CompileTarget.parse(name, slices=2).devices == 2 * devices
 
 
+def test_a_v4_target_has_a_device_per_chip_and_plans():
+    """Cloud TPU's v4-16 is 8 chips of two TensorCores, which JAX runs as one device each
+    (megacore): the target's devices are its chips and a plan compiles on them. libtpu's topology
+    lists the cores unless asked for megacore, and jax's mesh utilities refuse those."""
+    target = CompileTarget.parse("tpu:v4-16")
+    assert (target.topology, target.devices, len(target.tpu_devices())) == ("v4:2x2x2", 8, 8)
+    p = plan("jshard.demo.plan:build_tiny", target="tpu:v4-16")
+    assert p.platform == "tpu" and p.report.analytic.devices == 8
+
+
 def test_bad_targets_say_what_exists():
     with pytest.raises(ValueError, match=r"No v5p slice has 7 TensorCores; sizes known here: v5p-8, v5p-16"):
         CompileTarget.parse("tpu:v5p-7")

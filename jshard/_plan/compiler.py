@@ -131,5 +131,7 @@ def _topology_devices(topology: str, slices: int) -> tuple[Any, ...]:
     except ImportError as err:
         raise ValueError(NO_LIBTPU) from err
     kwargs = {"num_slices": slices} if slices > 1 else {}
+    if topology.startswith("v4:"):  # one device per chip, as JAX runs a v4 pod (its two cores as one)
+        kwargs["chip_config_name"] = "megacore"
     return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs).devices)
 
