@@ -25,7 +25,7 @@ def _unit(mesh, policy=None):
 
 
 @pytest.mark.parametrize("target, layout", [("cpu:8", FSDP2_LAYOUT), ("tpu:v6e:2x4", FSDP2_LAYOUT),
-                                            ("tpu:v5p:2x2x2", V5P_LAYOUT)])
+                                            ("tpu:v4:2x2x2", FSDP2_LAYOUT), ("tpu:v5p:2x2x2", V5P_LAYOUT)])
 def test_a_units_policy_holds_its_platforms_layout(target, layout):
     """``fully_shard`` fills in what the policy leaves ``None``, per device kind."""
     mesh = _mesh(target) if target.startswith("tpu") else js.make_mesh()

@@ -15,8 +15,10 @@ devices when ``fully_shard`` builds the unit, so the unit's policy always holds 
   8179.0 (Hugging Face) (docs/benchmarks.md, "jshard's defaults per platform").
 - Everything else: FSDP2's layout, every leaf sharded and its gradient reduced. On v6e 2x4 the
   options raise the sweep (7 rows above the recipe with FSDP2's layout; 28 with vectors whole, 12
-  with weight gradients from activations, 32 with v5p's layout); v4 (a 3-D torus like v5p's) and
-  GPUs were not measured.
+  with weight gradients from activations, 32 with v5p's layout). On v4 2x2x2 too, though its torus
+  is 3-D like v5p's (14 with FSDP2's layout, 33 with v5p's): there, as on v6e, most of the small
+  models' temporaries sit on chip, and whole vectors add their bytes to the arguments. GPUs were
+  not measured.
 
 A unit that asks for ``unit_collectives`` keeps the reduction (a route cannot share its flat
 buffer). Set either field to override the platform's choice.
