@@ -38,8 +38,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jshard._sharding.scatter_padding import first_kept, phases_and_sizes
-from jshard._step import collectives as C
-from jshard._step.gather import LeafComm, reduce_summed, scatter_native
+from jshard._step.gather import LeafComm, gather_cast, reduce_summed, scatter_native
 from jshard._step.remat import SAVED, depend
 
 BLOCKS = 4  # blocks of the unsharded dim, where it divides and XLA keeps them native (else 2)
@@ -55,12 +54,6 @@ def blocked_matmul(comm: LeafComm, precision: Any, preferred: Any, kept: bool, x
     ``precision`` and ``preferred`` are the matmul's own; ``kept``: the gathered matrix is kept for
     backward (its unit keeps it), else gathered again there."""
     return _fwd(comm, precision, preferred, kept, x, shard)[0]
-
-
-def gathered(comm: LeafComm, shard: jax.Array) -> jax.Array:
-    """The matrix gathered from ``shard`` in ``param_dtype``: the block routes' own gather."""
-    return C.all_gather(shard.astype(comm.param_dtype), comm.axes.shard, comm.layout.dim,
-                        phases=comm.axes.gather_phases)
 
 
 def contract(a: jax.Array, b: jax.Array, dims: Any, precision: Any = None, preferred: Any = None) -> jax.Array:
@@ -82,7 +75,7 @@ def ordered(value: jax.Array, after: jax.Array) -> jax.Array:
 
 
 def _fwd(comm, precision, preferred, kept, x, shard):
-    w = gathered(comm, shard)
+    w = gather_cast(comm, shard)
     if kept:  # saved as its unit's gathered leaves are, under any policy
         w = checkpoint_name(w, SAVED)
     return contract(x, w, ((x.ndim - 1,), (0,)), precision, preferred), (x, w if kept else shard)
@@ -91,7 +84,7 @@ def _fwd(comm, precision, preferred, kept, x, shard):
 def _bwd(comm, precision, preferred, kept, residuals, dy):
     x, w = residuals
     if not kept:
-        w = gathered(comm, ordered(w, dy))  # gathered again once the cotangent arrives
+        w = gather_cast(comm, ordered(w, dy))  # gathered again once the cotangent arrives
     dx = contract(dy, w, ((dy.ndim - 1,), (1,)), precision, preferred)
     return dx.astype(x.dtype), reduce_summed(comm, _matmul_blocks(comm, x, dy))
 

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jshard._step import collectives as C
-from jshard._step.block_route import block_count, gathered, ordered, reduced_in_blocks
-from jshard._step.gather import LeafComm, reduce_summed
+from jshard._step.block_route import block_count, ordered, reduced_in_blocks
+from jshard._step.gather import LeafComm, gather_cast, reduce_summed
 from jshard._step.remat import call_equation, marked, traced_equations
 
 
@@ -109,7 +109,7 @@ def blocked_lookup(comm: LeafComm, params: tuple[tuple[str, Any], ...], ids: jax
 
 def _blocked_fwd(comm, params, ids, shard):
     rows = ids.reshape(-1, 1)
-    y = _lookup(params, gathered(comm, shard), rows)
+    y = _lookup(params, gather_cast(comm, shard), rows)
     return y.reshape(ids.shape[:-1] + y.shape[-1:]), rows
 
 
