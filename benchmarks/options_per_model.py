@@ -65,8 +65,7 @@ def default_option(target: str) -> str:
       >>> default_option("tpu_v5p_2x2x2_async"), default_option("tpu_v6e_2x4")
       ('vectors whole, both', 'vectors sharded, reduced')
     """
-    kind = CompileTarget.parse(":".join(target.removesuffix("_async").split("_", 2))).tpu_devices()[0].device_kind
-    layout = platform_layout(kind)
+    layout = platform_layout(CompileTarget.parse(":".join(target.removesuffix("_async").split("_", 2))).device_kind)
     return next(name for name, options in OPTIONS.items()
                 if options == (layout["replicate_below"], layout["weight_gradients"]))
 

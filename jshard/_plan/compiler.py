@@ -104,6 +104,18 @@ class CompileTarget:
         """The target's TPU devices (compile only: nothing runs on them)."""
         return list(_topology_devices(self.topology, self.slices))
 
+    @property
+    def device_kind(self) -> str:
+        """JAX's ``device_kind`` of the target's devices (``"cpu"`` for simulated CPU devices), which
+        picks the settings a policy leaves to the platform ([Note: platform defaults]).
+
+        Example:
+          >>> from jshard.report import CompileTarget
+          >>> CompileTarget.parse("cpu:8").device_kind
+          'cpu'
+        """
+        return self.tpu_devices()[0].device_kind if self.platform == "tpu" else "cpu"
+
 
 def _topology(name: str) -> str:
     sized, shaped = _SIZED.match(name), _SHAPED.match(name)

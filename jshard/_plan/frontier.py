@@ -122,7 +122,7 @@ def frontier(build: Callable[..., Any] | str, *, devices: int | None = None, bud
       ([(64, False)], [])
     """
     where = compile_target(target, devices)
-    layout = platform_layout(where.tpu_devices()[0].device_kind if where.platform == "tpu" else "cpu")
+    layout = platform_layout(where.device_kind)
     chosen = {name: list(dict.fromkeys(layout[name] if v is None else v for v in values))
               for name, values in (("replicate_below", replicate_below), ("weight_gradients", weight_gradients))}
     grid = Grid(list(batches), list(reshard_after_forward), list(remats), list(mixed_precision), list(offload),
