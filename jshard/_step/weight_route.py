@@ -236,11 +236,11 @@ def _routed(eqn: Any, made: dict[Any, Any], reads: Mapping[Any, int], routes: fr
         return eqn
     (_, shard), x, comm = mark.invars, eqn.invars[0], mark.params["comm"]
     chosen, shape, freed = comm.policy.gradient_routes, eqn.invars[1].aval.shape, mark.params["freed"]
+    blockable = "blocks" in routes if freed else "kept" in routes and reads[eqn.invars[1]] == 1
     if freed and "routed" in routes and "from_activations" in chosen and sends_less(
             x.aval.size // x.aval.shape[-1], *shape, comm.layout.dim, comm.axes.shard_size):
         fn = functools.partial(routed_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
-    elif ((freed and "blocks" in routes) or (not freed and "kept" in routes and reads[eqn.invars[1]] == 1)) \
-            and "in_blocks" in chosen and block_count(comm, shape) > 1:
+    elif blockable and "in_blocks" in chosen and block_count(comm, shape) > 1:
         fn = functools.partial(blocked_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"],
                                not freed)  # [Note: weight gradient blocks]
     else:
