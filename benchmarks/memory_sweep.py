@@ -39,7 +39,7 @@ elements kept whole on every device) and adds ``_replicate_below_N`` to the file
 ``--no-backward-prefetch`` compiles them with ``value_and_grad(backward_prefetch=False)``
 (``_no_backward_prefetch``); ``--weight-gradients from_activations`` compiles them with
 ``FullyShardPolicy(weight_gradients="from_activations")`` (``_from_activations``). Without them jshard's
-steps take FSDP2's layout, not the platform's defaults ([Note: platform defaults]: on TPU v5p
+steps take FSDP2's layout, not the platform's defaults ([Note: platform defaults]: on TPU
 ``--replicate-below 4096 --weight-gradients from_activations+in_blocks``). ``--apply-sgd``
 compiles every variant's step as a training step that applies its gradients (plain SGD, the
 parameters donated and returned updated; ``_sgd``): there the parameters live until the update,

@@ -1,5 +1,5 @@
 """[Note: platform defaults]: the settings a ``FullyShardPolicy`` leaves ``None`` are chosen per
-mesh when ``fully_shard`` builds the unit (v5p's measured layout there, FSDP2's elsewhere), a plan
+mesh when ``fully_shard`` builds the unit (the measured layout on TPUs, FSDP2's elsewhere), a plan
 records what it compiled, and on v5p the defaults bring the sweep's rows under the recipe."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 
 import jshard as js
 from benchmarks import memory_sweep
-from jshard._sharding.platform_defaults import FSDP2_LAYOUT, V5P_LAYOUT
+from jshard._sharding.platform_defaults import FSDP2_LAYOUT, TPU_LAYOUT
 from jshard.report import HARDWARE, CompileTarget, PlanConfig, frontier, plan
 
 
@@ -24,8 +24,9 @@ def _unit(mesh, policy=None):
     return jax.eval_shape(lambda: js.fully_shard({"w": jnp.zeros((64, 64))}, mesh, policy))
 
 
-@pytest.mark.parametrize("target, layout", [("cpu:8", FSDP2_LAYOUT), ("tpu:v6e:2x4", FSDP2_LAYOUT),
-                                            ("tpu:v4:2x2x2", FSDP2_LAYOUT), ("tpu:v5p:2x2x2", V5P_LAYOUT)])
+@pytest.mark.parametrize("target, layout", [("cpu:8", FSDP2_LAYOUT), ("tpu:v6e:2x4", TPU_LAYOUT),
+                                            ("tpu:v5e:2x4", TPU_LAYOUT), ("tpu:v4:2x2x2", TPU_LAYOUT),
+                                            ("tpu:v5p:2x2x2", TPU_LAYOUT)])
 def test_a_units_policy_holds_its_platforms_layout(target, layout):
     """``fully_shard`` fills in what the policy leaves ``None``, per device kind."""
     mesh = _mesh(target) if target.startswith("tpu") else js.make_mesh()
@@ -50,10 +51,10 @@ def test_an_unresolved_policy_names_no_route():
 
 def test_plans_and_frontiers_record_the_targets_layout():
     """A plan compiles the target's defaults and records them; the frontier searches them."""
-    assert PlanConfig().for_devices("TPU v5") == PlanConfig(**V5P_LAYOUT)
+    assert PlanConfig().for_devices("TPU v5") == PlanConfig(**TPU_LAYOUT)
     assert PlanConfig(weight_gradients="reduced").for_devices("TPU v5").replicate_below == 4096
     p = plan("jshard.demo.plan:build_tiny", target="tpu:v5p:2x2x2", config=PlanConfig(remat="full"))
-    assert p.config == PlanConfig(remat="full", **V5P_LAYOUT)
+    assert p.config == PlanConfig(remat="full", **TPU_LAYOUT)
     f = frontier("jshard.demo.plan:build_tiny", devices=8, budget=2**30, hardware=HARDWARE["h100"], batches=(1,),
                  reshard_after_forward=(True,), remats=("full",), mixed_precision=(False,))
     assert [row.plan.config for row in f.rows] == [PlanConfig(remat="full", **FSDP2_LAYOUT)]

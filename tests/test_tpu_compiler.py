@@ -26,7 +26,7 @@ from jax_behaviour import other_libtpu
 import jshard as js
 from benchmarks.memory_sweep import ASYNC_COLLECTIVE_FLAGS
 from jshard._sharding.mesh import tensor_parallel_mesh
-from jshard._sharding.platform_defaults import FSDP2_LAYOUT  # named by the tests of its reductions on v5p
+from jshard._sharding.platform_defaults import FSDP2_LAYOUT  # named by the tests of its reductions on TPU
 from jshard._sharding.scatter_padding import scatter_sizes
 from jshard._sharding.torus import gather_phases, scatter_phases, slice_of
 from jshard.report import CompileTarget, Memory, PlanConfig, plan, scaling, step_collectives, step_report
@@ -345,7 +345,7 @@ def test_v5e_and_v6e_reduce_in_phases_where_one_reduce_scatter_would_be_an_all_r
     after, peak unchanged)."""
     assert scatter_phases(jax.make_mesh((16,), ("fsdp",), devices=_tpu("v5e:4x4")), ("fsdp",)) == (4, 4)
     assert scatter_phases(jax.make_mesh((8,), ("fsdp",), devices=_tpu("v6e:2x4")), ("fsdp",)) == ()
-    p = plan(_mlp_builder, target="tpu:v5e-16")
+    p = plan(_mlp_builder, target="tpu:v5e-16", config=PlanConfig(**FSDP2_LAYOUT))
     assert {c.group_size for c in p.report.collectives if c.kind == "reduce-scatter"} == {4}
     assert all(c.bytes <= 64 for c in p.report.collectives if c.kind == "all-reduce")  # the loss's scalar alone
     grads = 2 * 2 * 256 * 512 * 4 + 256 * 128 * 4

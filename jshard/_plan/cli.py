@@ -69,12 +69,12 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="store_true", help="state in pinned host memory")
     parser.add_argument("--replicate-below", type=int, default=None, metavar="N",
                         help="keep leaves under N elements whole on every device (0: shard every leaf; default: "
-                             "the target's choice, 4096 on TPU v5p, else 0)")
+                             "the target's choice, 4096 on TPU, else 0)")
     parser.add_argument("--weight-gradients", choices=WEIGHT_GRADIENTS, default=None,
                         help="reduced (FSDP2's), from_activations (matmuls of a unit's matrix on the shard, "
                              "activations exchanged, where that sends less), in_blocks (its gradient formed and "
                              "reduce-scattered a block at a time) or both (the first, else the second); default: "
-                             "the target's choice, from_activations+in_blocks on TPU v5p, else reduced")
+                             "the target's choice, from_activations+in_blocks on TPU, else reduced")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # a PlanConfig as JSON (planning subprocesses)
 
 

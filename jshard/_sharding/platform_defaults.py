@@ -6,19 +6,22 @@ on the compiler: ``replicate_below`` (vectors kept whole) and ``weight_gradients
 gradient is formed). Left ``None`` (the default), :func:`for_mesh` fills them in from the mesh's
 devices when ``fully_shard`` builds the unit, so the unit's policy always holds concrete values:
 
-- TPU v5p (``device_kind`` ``"TPU v5"``/``"TPU v5p"``): vectors under 4096 elements whole and
-  weight gradients ``"from_activations+in_blocks"``. Measured on the 48-model training-step sweep
-  (``benchmarks.memory_sweep --apply-sgd``, v5p 2x2x2, libtpu 0.0.42.1): 1 model above the best
-  hand-written recipe instead of FSDP2's layout's 7, geometric mean of the peak ratios 0.571
-  against 0.805, collective bytes 0.26 of the recipes' against 0.93, FLOPs no higher in any; the
-  Llama-3-8B plans on ``v5p-256`` 4099.1 MiB per device against 5064.3 (NNX) and 5278.9 against
-  8179.0 (Hugging Face) (docs/benchmarks.md, "jshard's defaults per platform").
-- Everything else: FSDP2's layout, every leaf sharded and its gradient reduced. On v6e 2x4 the
-  options raise the sweep (7 rows above the recipe with FSDP2's layout; 28 with vectors whole, 12
-  with weight gradients from activations, 32 with v5p's layout). On v4 2x2x2 too, though its torus
-  is 3-D like v5p's (14 with FSDP2's layout, 33 with v5p's): there, as on v6e, most of the small
-  models' temporaries sit on chip, and whole vectors add their bytes to the arguments. GPUs were
-  not measured.
+- TPU v4, v5e, v5p and v6e (``device_kind`` in :data:`TPU_KINDS`): vectors under 4096 elements
+  whole and weight gradients ``"from_activations+in_blocks"``. Measured where users train: the
+  Llama-3-8B NNX plan (``--mixed-precision --remat full``, 256 TensorCores) peaks at 4099.1 MiB
+  per device against FSDP2's layout's 5064.3 on ``v5p-256``, 3587.0 against 7948.2 on
+  ``v6e-256``, 5555.8 against 8470.7 on ``v5e-256`` and 4107.4 against 5020.2 on ``v4-256``, and
+  the demo's Llama ``small`` (8 chips, reduced in bfloat16) against the hand-written recipe at
+  0.98 / 1.06 / 0.79 of its peak on v6e / v5e / v4 where FSDP2's layout reads 1.29 / 1.31 / 0.98.
+  On the 48-model training-step sweep (``benchmarks.memory_sweep --apply-sgd``, v5p 2x2x2): 1
+  model above the best hand-written recipe instead of FSDP2's layout's 7, geometric mean of the
+  peak ratios 0.571 against 0.805, collective bytes 0.26 of the recipes' against 0.93, FLOPs no
+  higher in any. The sweep's small models read otherwise on v6e and v4 (32 and 33 rows above the
+  recipe against 7 and 14), where XLA:TPU keeps their temporaries on chip and the recipe's read
+  none: whole vectors then add 1-2% of arguments to a program of nothing else
+  (docs/benchmarks.md, "jshard's defaults per platform").
+- Everything else (GPUs and CPUs, not measured against the recipe on their compiler): FSDP2's
+  layout, every leaf sharded and its gradient reduced.
 
 A unit that asks for ``unit_collectives`` keeps the reduction (a route cannot share its flat
 buffer). Set either field to override the platform's choice.
@@ -36,9 +39,9 @@ from jshard._sharding.policies import FullyShardPolicy
 # The two settings where the platform has no measured better choice: FSDP2's (also what tests and
 # benchmarks of FSDP2's reductions and gathers name explicitly).
 FSDP2_LAYOUT = {"replicate_below": 0, "weight_gradients": "reduced"}
-# ... and on TPU v5p (see the Note).
-V5P_LAYOUT = {"replicate_below": 4096, "weight_gradients": "from_activations+in_blocks"}
-V5P_KINDS = frozenset({"TPU v5", "TPU v5p"})
+# ... and on the TPUs measured (see the Note): v4, v5e ("v5 lite"), v5p ("v5") and v6e ("v6 lite").
+TPU_LAYOUT = {"replicate_below": 4096, "weight_gradients": "from_activations+in_blocks"}
+TPU_KINDS = frozenset({"TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite"})
 
 
 def platform_layout(device_kind: str, unit_collectives: bool = False) -> dict[str, int | str]:
@@ -51,7 +54,7 @@ def platform_layout(device_kind: str, unit_collectives: bool = False) -> dict[st
       >>> platform_layout("cpu")
       {'replicate_below': 0, 'weight_gradients': 'reduced'}
     """
-    layout = dict(V5P_LAYOUT if device_kind in V5P_KINDS else FSDP2_LAYOUT)
+    layout = dict(TPU_LAYOUT if device_kind in TPU_KINDS else FSDP2_LAYOUT)
     return {**layout, "weight_gradients": "reduced"} if unit_collectives else layout
 
 
@@ -60,8 +63,8 @@ def unset(settings: Any, layout: dict[str, Any]) -> dict[str, Any]:
 
     Example:
       >>> import jshard as js
-      >>> from jshard._sharding.platform_defaults import V5P_LAYOUT, unset
-      >>> unset(js.FullyShardPolicy(replicate_below=0), V5P_LAYOUT)
+      >>> from jshard._sharding.platform_defaults import TPU_LAYOUT, unset
+      >>> unset(js.FullyShardPolicy(replicate_below=0), TPU_LAYOUT)
       {'weight_gradients': 'from_activations+in_blocks'}
     """
     return {name: value for name, value in layout.items() if getattr(settings, name) is None}

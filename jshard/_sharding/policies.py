@@ -254,10 +254,10 @@ class FullyShardPolicy:
         ``size * (N - 1) / N`` more elements of memory per device and fewer bytes on the wire.
         ``0``: every leaf is sharded, as in FSDP2. Leaves split over model axes stay sharded.
         ``None`` (default): the platform's choice, filled in by ``fully_shard`` from the mesh's
-        devices: ``4096`` on TPU v5p, ``0`` elsewhere ([Note: platform defaults]).
+        devices: ``4096`` on TPU (v4, v5e, v5p, v6e), ``0`` elsewhere ([Note: platform defaults]).
       weight_gradients: ``"reduced"``: a gathered leaf's gradient is formed whole on every device
         from its own rows and reduce-scattered, as in FSDP2. ``None`` (default): the platform's
-        choice, as for ``replicate_below``: ``"from_activations+in_blocks"`` on TPU v5p,
+        choice, as for ``replicate_below``: ``"from_activations+in_blocks"`` on TPU,
         ``"reduced"`` elsewhere.
         ``"from_activations"``: where the unit's matrix ``w`` (2-D, sharded without padding,
         freed after forward, no model axes, offload or custom collectives) is read by a matmul
