@@ -62,7 +62,7 @@ def default_option(target: str) -> str:
     """The option whose sweep jshard's defaults compile to on ``target`` (a stored sweep's target name).
 
     Example:
-      >>> default_option("tpu_v5p_2x2x2_async"), default_option("tpu_v6e_2x4")
+      >>> default_option("tpu_v6e_2x4_async"), default_option("cpu_8")
       ('vectors whole, both', 'vectors sharded, reduced')
     """
     layout = platform_layout(CompileTarget.parse(":".join(target.removesuffix("_async").split("_", 2))).device_kind)

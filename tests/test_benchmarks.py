@@ -134,7 +134,7 @@ def test_options_per_model_reads_the_stored_sweeps(tmp_path, capsys):
     assert doctest.testmod(memory_sweep).failed == 0  # exceeds: the tables' rule, used here too
     options_per_model.main(["--target", "tpu_v5p_2x2x2"])
     out = capsys.readouterr().out
-    assert "defaults (vectors whole, both) above the best recipe in 1 of 48 models, worst 1.250" in out
+    assert "defaults (vectors whole, both) above the best recipe in 1 of 48 models, worst 1.124" in out
     assert "lowest of 6 options above the best recipe in 1 of 48 models" in out
     assert "| transformer unrolled 8x256 b64 kept fp32 | 63.37 | 71.23 | 1.124 | vectors whole, reduced |" in out
     with pytest.raises(SystemExit, match="No stored sweep .*memory_sweep_cpu_sgd.json"):

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -997,6 +998,28 @@ def test_a_kept_heads_gradient_in_blocks_on_v5p(remat):
     assert blocked["peak_bytes"] < (0.6 if remat is None else 0.85) * reduced["peak_bytes"], figures
     for key in ("collective_bytes", "gathers", "flops"):
         assert blocked[key] == reduced[key], key
+
+
+@pytest.mark.parametrize("target, width, blocked", [("tpu:v5p:2x2x2", 256, False), ("tpu:v5p:2x2x2", 512, True),
+                                                    ("cpu:8", 256, True)])
+def test_the_combined_route_blocks_a_matrix_it_leaves_where_its_gradient_is_large(target, width, blocked):
+    """[Note: weight gradient blocks]: two unrolled transformer blocks, activations kept, 64
+    sequences of 64 tokens (512 rows a device: more than the matrices' inputs, so the route from
+    activations leaves every matmul). With ``"from_activations+in_blocks"`` on TPU the 256-wide
+    blocks' float32 gradients (``[256, 1024]``, 1 MiB) keep the reduced route: the lowered step
+    reduce-scatters as many times as with ``"from_activations"``; the 512-wide ones' MLP gradients
+    (4 MiB) are formed in blocks, as on CPU every matrix whose blocks XLA keeps whole is."""
+    from benchmarks import memory_sweep
+
+    tpu = target.startswith("tpu")
+    mesh = memory_sweep.target_mesh(CompileTarget.parse(target)) if tpu else js.make_mesh()
+    model = memory_sweep.Model("transformer", False, 2, width, 64, remat=False)
+    scatters = {}
+    for route in ("from_activations", "from_activations+in_blocks"):
+        step, args = memory_sweep.jshard_step(model, mesh, weight_gradients=route)
+        scatters[route] = len(re.findall(r"stablehlo\.reduce_scatter", step.lower(*args).as_text()))
+    more = scatters["from_activations+in_blocks"] - scatters["from_activations"]
+    assert (more > 0) == blocked, scatters
 
 
 def test_gradients_reach_their_reduce_scatters_scattered_dim_first_on_v5p():

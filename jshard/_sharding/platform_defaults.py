@@ -15,7 +15,7 @@ devices when ``fully_shard`` builds the unit, so the unit's policy always holds 
   0.98 / 1.06 / 0.79 of its peak on v6e / v5e / v4 where FSDP2's layout reads 1.29 / 1.31 / 0.98.
   On the 48-model training-step sweep (``benchmarks.memory_sweep --apply-sgd``, v5p 2x2x2): 1
   model above the best hand-written recipe instead of FSDP2's layout's 7, geometric mean of the
-  peak ratios 0.571 against 0.805, collective bytes 0.26 of the recipes' against 0.93, FLOPs no
+  peak ratios 0.569 against 0.805, collective bytes 0.26 of the recipes' against 0.93, FLOPs no
   higher in any. The sweep's small models read otherwise on v6e and v4 (32 and 33 rows above the
   recipe against 7 and 14), where XLA:TPU keeps their temporaries on chip and the recipe's read
   none: whole vectors then add 1-2% of arguments to a program of nothing else

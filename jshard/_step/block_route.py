@@ -1,29 +1,30 @@
 """Weight gradients reduced a block at a time: the matmuls that read a gathered matrix.
 
-[Note: weight gradient blocks] FSDP's reduction receives the whole gradient ``x^T dy`` a
-device formed from its rows, a ``[K, N]`` buffer, and reduce-scatters it (for an unrolled unit
-on a v5p slice in two phases, a quarter-size buffer beside it). With
+[Note: weight gradient blocks] FSDP's reduction receives the whole gradient ``x^T dy`` a device
+formed from its rows, a ``[K, N]`` buffer, and reduce-scatters it (for an unrolled unit on a v5p
+slice in two phases, a quarter-size buffer beside it). With
 ``FullyShardPolicy(weight_gradients="in_blocks")`` a marked matrix's matmul ``x @ w`` (found as
-``weight_route.py`` finds them) becomes :func:`blocked_matmul`, whose backward forms the
-gradient ``BLOCKS`` blocks at a time along the matrix's unsharded dim and reduce-scatters each
-block (the gradients' rule: torus phases and XLA:TPU's native sizes) before the next block's
-matmul runs, so the whole gradient never exists; bytes and FLOPs are the reduction's. Forward
-gathers the shard and multiplies; backward gathers it again for ``dx`` (the gathered matrix is
-not kept between them). Each block's matmul waits for the previous block's reduction through
-``remat.depend`` (an ``optimization_barrier`` there pinned buffers: tanh unrolled 8x1536 kept
-bf16 peaked at 25.79 MiB, 18.29 with ``depend``). Two limits, measured on the v5p 2x2x2
-training-step sweep: a matrix whose blocks would be under ``MIN_TPU_BLOCK`` keeps the reduced
-route (:func:`block_count`), and so does every matrix of a recomputed piece (a layer or segment
-under a ``remat_policy``), where the recomputed forward's gather, then the block route's own in
-backward, would gather it three times a step: 1.5x the analytic bytes
+``weight_route.py`` finds them) becomes :func:`blocked_matmul`, whose backward forms the gradient
+``BLOCKS`` blocks at a time along the matrix's unsharded dim and reduce-scatters each block (the
+gradients' rule: torus phases and XLA:TPU's native sizes) before the next block's matmul runs, so
+the whole gradient never exists; bytes and FLOPs are the reduction's. Forward gathers the shard
+and multiplies; backward gathers it again for ``dx`` (the gathered matrix is not kept between
+them). Each block's matmul waits for the previous block's reduction through ``remat.depend`` (an
+``optimization_barrier`` there pinned buffers: tanh unrolled 8x1536 kept bf16 peaked at 25.79 MiB,
+18.29 with ``depend``). Three limits, measured on the v5p 2x2x2 training-step sweep: a matrix
+whose blocks would be under ``MIN_TPU_BLOCK`` keeps the reduced route (:func:`block_count`), so
+does one the route from activations left (a policy's ``"from_activations+in_blocks"``) whose
+gradient is under ``MIN_TPU_FALLBACK_GRADIENT``, and so does every matrix of a recomputed piece (a
+layer or segment under a ``remat_policy``), where the recomputed forward's gather, then the block
+route's own in backward, would gather it three times a step: 1.5x the analytic bytes
 (``weight_route.route_whole``). A matrix its unit keeps gathered through backward (the root's,
 ``reshard_after_forward=False``: marked ``freed=False``) is gathered once by the route's forward
 and kept for its backward, as the unit would keep it, wherever its matmul runs: no extra bytes,
-and its whole gradient never exists (the Llama-3-8B NNX plan on ``v5p-256`` with weight
-gradients ``from_activations+in_blocks``: the output head's float32 gradient, 2004 MiB, no longer
-at the step's fullest point; docs/planning.md). Measured by hand first:
-``benchmarks/weight_gradient_route.py``'s ``chunks`` route, docs/benchmarks.md "Weight gradients
-reduced a block at a time".
+and its whole gradient never exists (the Llama-3-8B NNX plan on ``v5p-256`` with weight gradients
+``from_activations+in_blocks``: the output head's float32 gradient, 2004 MiB, no longer at the
+step's fullest point; docs/planning.md).
+Measured by hand first: ``benchmarks/weight_gradient_route.py``'s ``chunks`` route,
+docs/benchmarks.md "Weight gradients reduced a block at a time".
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ BLOCKS = 4  # blocks of the unsharded dim, where it divides and XLA keeps them n
 # Smaller blocks save little and add their matrix's re-gather: blocking a transformer's [256, 256]
 # float32 matrices too ([256, 64] blocks) raised the sweep's unrolled 8x256 peak 80.85 -> 82.88 MiB.
 MIN_TPU_BLOCK = 256 << 10
+# A matrix the route from activations left (``"from_activations+in_blocks"``, more rows than it
+# has inputs) is blocked on TPU only where its gradient holds this much: under it the blocks saved
+# less than their reductions cost. The sweep's 8x256 transformers' [256, 1024] float32 gradients
+# (1 MiB), blocked at 64 rows a device on v5p, raised the unrolled kept model 71.23 -> 79.24 MiB
+# (the recipe's 63.37; 74.42 -> 78.59 under the async flags, against 72.93).
+MIN_TPU_FALLBACK_GRADIENT = 4 << 20
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -139,11 +146,12 @@ def reduced_in_blocks(comm: LeafComm, shape: tuple[int, int], form: Callable[[sl
     return jnp.concatenate(blocks, axis=1 - dim)
 
 
-def block_count(comm: LeafComm, shape: tuple[int, int]) -> int:
+def block_count(comm: LeafComm, shape: tuple[int, int], fallback: bool = False) -> int:
     """How many blocks a ``shape`` matrix's gradient is reduced in: ``BLOCKS`` or 2, the most that
     divide its unsharded dim into blocks of ``MIN_TPU_BLOCK`` bytes or more (on TPU) whose
     reduce-scatter XLA:TPU keeps one; 1 where none does, and the matmul is left to the reduced
-    route.
+    route. ``fallback``: the route from activations left the matmul, and on TPU a gradient under
+    ``MIN_TPU_FALLBACK_GRADIENT`` bytes keeps the reduced route.
 
     Example:
       >>> import numpy as np, jshard as js
@@ -158,6 +166,9 @@ def block_count(comm: LeafComm, shape: tuple[int, int]) -> int:
     """
     dim = comm.layout.dim
     size = shape[1 - dim]
+    if fallback and comm.axes.tpu_mesh is not None and (
+            shape[0] * shape[1] * np.dtype(comm.reduce_dtype).itemsize < MIN_TPU_FALLBACK_GRADIENT):
+        return 1
     for count in (BLOCKS, 2):
         block = (shape[0], size // count) if dim == 0 else (size // count, shape[1])
         if size % count == 0 and _native(comm, block):
