@@ -70,11 +70,11 @@ def test_the_tpu_memory_bound_catches_gathered_layers_kept(kind):
     assert grown > 3 * activation_bytes(2048) + layer_bytes(2048) // 16, (kind, grown / 2**20)
 
 
-def _hbm_occupied(kind: str, layers: int, policy: js.FullyShardPolicy, tmp_path) -> int:
+def _hbm_occupied(kind: str, layers: int, policy: js.FullyShardPolicy, tmp_path, mesh=None, width: int = 2048) -> int:
     """The most bytes of XLA:TPU's HBM temporaries occupied at once, read from its buffer assignment and
     live ranges (``benchmarks.heap_at_peak``): what the device holds beyond what the step takes and returns."""
     directory = tmp_path / f"{kind}_{layers}"
-    step_memory(kind, layers, policy, _v5p_mesh(), 2048, compiler_options={"xla_dump_to": str(directory)})
+    step_memory(kind, layers, policy, mesh or _v5p_mesh(), width, compiler_options={"xla_dump_to": str(directory)})
     return heap_at_peak.read_dump(directory)[0].occupied
 
 
@@ -107,3 +107,18 @@ def test_the_hbm_reading_catches_gathered_layers_kept(tmp_path):
     policy = js.FullyShardPolicy(reshard_after_forward=False, weight_gradients="from_activations")
     held = {layers: _hbm_occupied("core", layers, policy, tmp_path) for layers in (4, 12)}
     assert (held[12] - held[4]) / 8 > 3 * activation_bytes(2048) + layer_bytes(2048) // 16, held
+
+
+@pytest.mark.parametrize("kind", ["core", "scan"])
+def test_the_memory_bound_holds_with_the_tpu_defaults_on_v6e(kind, tmp_path):
+    """[Note: platform defaults] on v6e 2x4: the same tanh MLP, 8192 wide (a gathered float32 layer
+    is 256 MiB; at 2048 wide XLA:TPU keeps every temporary on chip there and HBM reads 0, and at 4
+    layers of 8192 too), read from 8 to 12 layers: an extra layer adds at most three activations
+    and a sixteenth of a layer (19 MiB). Measured (fp32 / bf16, MiB per layer): core and nested
+    2.64 / 1.63, NNX 2.65 / 2.00, Linen 1.77 / 1.01, at 12 layers 4.03-12.56 MiB; the stacks 16.03-
+    16.25, their shards' bf16 cast (16 MiB a layer), 192.13-193.00 MiB at 12 layers, where FSDP2's
+    layout holds 719.00 (``js.scan``, fp32, 591.00 at 4)."""
+    mesh = memory_sweep.target_mesh(CompileTarget.parse("tpu:v6e:2x4"))
+    policy = js.FullyShardPolicy()
+    held = {layers: _hbm_occupied(kind, layers, policy, tmp_path, mesh, 8192) for layers in (8, 12)}
+    assert 0 < (held[12] - held[8]) / 4 <= 3 * activation_bytes(8192) + layer_bytes(8192) // 16, held
