@@ -42,10 +42,14 @@ def _bound_growth(kind: str, raf: bool, precision: str, width: int = 2048, **lay
     return grown, {layers: s.temp_size_in_bytes for layers, s in stats.items()}
 
 
-# FSDP2's layout on v5p: core units and ``js.scan`` in the default run; the other kinds are
-# covered there by the test of the TPU defaults below (every kind) and by tests/test_memory_bound.py
-# on CPU (every kind, FSDP2's layout).
+# FSDP2's layout on v5p: core units and ``js.scan`` in the default run; NNX and Linen units run
+# there under the TPU defaults below, and every kind on CPU under FSDP2's layout
+# (tests/test_memory_bound.py).
 FSDP2_KINDS = [kind if kind in ("core", "scan") else pytest.param(kind, marks=pytest.mark.slow) for kind in KINDS]
+# The TPU defaults: nested units (core's layers, nested) and NNX's and Linen's stacks (``js.scan``'s
+# loop, lifted) in -m slow.
+DEFAULTS_KINDS = [pytest.param(kind, marks=pytest.mark.slow) if kind in ("nested", "nnx_scan", "linen_scan") else kind
+                  for kind in KINDS]
 
 
 @pytest.mark.parametrize("kind", FSDP2_KINDS)
@@ -84,7 +88,7 @@ def _hbm_occupied(kind: str, layers: int, policy: js.FullyShardPolicy, tmp_path,
     return heap_at_peak.read_dump(directory)[0].occupied
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEFAULTS_KINDS)
 def test_the_memory_bound_holds_with_v5ps_own_defaults(kind, tmp_path):
     """v5p's defaults ([Note: platform defaults]: vectors whole, weight gradients from activations
     where that sends less, else in blocks): the layers' matmuls run on the shard (32 rows a device
