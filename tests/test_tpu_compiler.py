@@ -745,6 +745,24 @@ def test_v5p_gathers_in_torus_phases_where_one_all_gather_would_be_an_all_reduce
     assert one >= 3 * full > 1.5 * full >= phased
 
 
+def test_a_16x16_slice_all_reduces_small_all_gathers_and_keeps_larger_ones():
+    """[Note: torus phases]: over every chip of a 16x16 v6e slice XLA:TPU sends an all-gather of
+    64 KiB a chip as an all-reduce (twice the bytes: the Llama-3-8B plan's key and value kernels,
+    `[16, 1024]` bf16 a chip) and keeps one of 96 KiB native; the step gathers there in one
+    collective (no phases), as on a 2x4."""
+
+    def kinds(rows):
+        mesh = js.make_mesh(devices=_tpu("v6e:16x16"))
+        assert gather_phases(mesh, ("fsdp",)) == ()
+        f = jax.shard_map(lambda w: js.collectives.all_gather(w, ("fsdp",), 0), mesh=mesh, in_specs=P("fsdp"),
+                          out_specs=P(), check_vma=False)
+        arg = jax.ShapeDtypeStruct((256 * rows, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+        return {(c.kind, c.group_size) for c in step_collectives(jax.jit(f).lower(arg).compile().as_text())}
+
+    assert kinds(32) == {("all-reduce", 256)}  # 64 KiB a chip
+    assert kinds(48) == {("all-gather", 256)}  # 96 KiB a chip
+
+
 def test_a_step_on_a_4x4x4_v5p_slice_gathers_natively_at_the_ring_bytes():
     """On v5p-128 every parameter collective runs along one torus ring (groups of 4) or over a
     4x4 plane of it (an unrolled unit's first reduction phase: [Note: two phases]), none over
