@@ -501,6 +501,26 @@ def test_a_matrix_kept_gathered_and_read_twice_keeps_its_reduction():
     assert len(re.findall(r"\(tensor<64x512xf32>\) -> tensor<8x512xf32>", text)) == 1
 
 
+def test_a_dim_no_block_count_divides_is_reduced_in_aligned_blocks():
+    """The root's head with 3075 outputs (neither 4 nor 2 equal blocks) and
+    ``weight_gradients="in_blocks"``: its gradient is reduce-scattered in blocks of 1024, 1024, 1024
+    and 3 columns (``BLOCK_ALIGN`` wide but the last), and the loss and every gradient are the
+    reduced route's."""
+    mesh = js.make_mesh()
+    k0, k1, k2 = jax.random.split(jax.random.key(0), 3)
+    raw = {"l0": {"w": jax.random.normal(k0, (64, 64)) / 8}, "head": {"w": jax.random.normal(k1, (64, 3075)) / 8}}
+    x = jax.random.normal(k2, (16, 64))
+    out = {}
+    for policy in (js.FullyShardPolicy(weight_gradients="reduced"), BLOCKED):
+        params = js.fully_shard({"l0": js.fully_shard(raw["l0"], mesh, policy), "head": raw["head"]}, mesh, policy)
+        step = jax.jit(js.value_and_grad(head_loss, unshard_params=False))
+        loss, grads = step(params, x)
+        out[policy.weight_gradients] = (loss, js.unshard(grads), step.lower(params, x).as_text())
+    _assert_close(out["in_blocks"][:2], out["reduced"][:2], 1e-5)
+    blocks = re.findall(r"\(tensor<64x(\d+)xf32>\) -> tensor<8x\1xf32>", out["in_blocks"][2])
+    assert sorted(blocks, key=int) == ["3"] + ["16"] * 4 + ["1024"] * 3  # l0's [64, 64]: 4 equal blocks
+
+
 @pytest.mark.parametrize("recomputed", [False, True], ids=["kept", "recomputed"])
 def test_stacked_layers_reduce_their_gradients_in_blocks(recomputed):
     """GELU blocks stacked under ``js.scan`` with ``weight_gradients="in_blocks"``: each layer's two

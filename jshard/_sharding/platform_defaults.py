@@ -10,7 +10,7 @@ devices when ``fully_shard`` builds the unit, so the unit's policy always holds 
   whole and weight gradients ``"from_activations+in_blocks"``. Measured where users train: the
   Llama-3-8B NNX plan (``--mixed-precision --remat full``, 256 TensorCores) peaks at 4099.1 MiB
   per device against FSDP2's layout's 5064.3 on ``v5p-256``, 3587.0 against 7948.2 on
-  ``v6e-256``, 5555.8 against 8470.7 on ``v5e-256`` and 4107.4 against 5020.2 on ``v4-256``, and
+  ``v6e-256``, 4049.2 against 8470.7 on ``v5e-256`` and 4107.4 against 5020.2 on ``v4-256``, and
   the demo's Llama ``small`` (8 chips, reduced in bfloat16) against the hand-written recipe at
   0.98 / 1.06 / 0.79 of its peak on v6e / v5e / v4 where FSDP2's layout reads 1.29 / 1.31 / 0.98.
   On the 48-model training-step sweep (``benchmarks.memory_sweep --apply-sgd``, v5p 2x2x2): 1

@@ -12,7 +12,7 @@ and multiplies; backward gathers it again for ``dx`` (the gathered matrix is not
 them). Each block's matmul waits for the previous block's reduction through ``remat.depend`` (an
 ``optimization_barrier`` there pinned buffers: tanh unrolled 8x1536 kept bf16 peaked at 25.79 MiB,
 18.29 with ``depend``). Three limits, measured on the v5p 2x2x2 training-step sweep: a matrix
-whose blocks would be under ``MIN_TPU_BLOCK`` keeps the reduced route (:func:`block_count`), so
+whose blocks would be under ``MIN_TPU_BLOCK`` keeps the reduced route (:func:`block_parts`), so
 does one the route from activations left (a policy's ``"from_activations+in_blocks"``) whose
 gradient is under ``MIN_TPU_FALLBACK_GRADIENT``, and so does every matrix of a recomputed piece (a
 layer or segment under a ``remat_policy``), where the recomputed forward's gather, then the block
@@ -22,7 +22,10 @@ route's own in backward, would gather it three times a step: 1.5x the analytic b
 and kept for its backward, as the unit would keep it, wherever its matmul runs: no extra bytes,
 and its whole gradient never exists (the Llama-3-8B NNX plan on ``v5p-256`` with weight gradients
 ``from_activations+in_blocks``: the output head's float32 gradient, 2004 MiB, no longer at the
-step's fullest point; docs/planning.md).
+step's fullest point; docs/planning.md). Blocks are equal where that keeps them native, else
+``BLOCK_ALIGN`` wide but the last (:func:`block_parts`): on v5e XLA:TPU all-reduces the first
+torus phase of the Llama-3-8B head's gradient whole and in equal blocks, not in blocks of 32768
+columns, and the NNX plan on ``v5e-256`` fell from 5555.8 to 4049.2 MiB (thirty-third session).
 Measured by hand first: ``benchmarks/weight_gradient_route.py``'s ``chunks`` route,
 docs/benchmarks.md "Weight gradients reduced a block at a time".
 """
@@ -52,6 +55,10 @@ MIN_TPU_BLOCK = 256 << 10
 # (1 MiB), blocked at 64 rows a device on v5p, raised the unrolled kept model 71.23 -> 79.24 MiB
 # (the recipe's 63.37; 74.42 -> 78.59 under the async flags, against 72.93).
 MIN_TPU_FALLBACK_GRADIENT = 4 << 20
+# Where equal blocks are not native, blocks this many columns (or rows) wide but the last: XLA:TPU
+# on v5e-256 all-reduces the first phase of the Llama-3-8B head's [4096, 32064] and [4096, 64128]
+# blocks (and its whole gradient) but scatters [4096, 32768] and [4096, 29952] ones.
+BLOCK_ALIGN = 1024
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -118,7 +125,7 @@ def _matmul_blocks(comm: LeafComm, x: jax.Array, dy: jax.Array) -> jax.Array:
 def reduced_in_blocks(comm: LeafComm, shape: tuple[int, int], form: Callable[[slice, Any], jax.Array]) -> jax.Array:
     """This device's shard of a ``shape`` matrix's gradient summed over the shard axes, in
     ``reduce_dtype``, formed and reduce-scattered a block of its unsharded dim at a time
-    (:func:`block_count` blocks): ``form(part, after)`` is the gradient's block ``part`` of that dim,
+    (:func:`block_parts`): ``form(part, after)`` is the gradient's block ``part`` of that dim,
     its inputs ordered after ``after`` (the previous block's reduction; ``None`` for the first).
 
     Example:
@@ -137,19 +144,18 @@ def reduced_in_blocks(comm: LeafComm, shape: tuple[int, int], form: Callable[[sl
       [8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
     """
     dim = comm.layout.dim
-    size, count = shape[1 - dim], block_count(comm, shape)
     blocks, done = [], None
-    for j in range(count):
-        part = slice(j * size // count, (j + 1) * size // count)
+    for part in block_parts(comm, shape):
         done = scatter_native(comm, form(part, done).astype(comm.reduce_dtype), dim)
         blocks.append(done)
     return jnp.concatenate(blocks, axis=1 - dim)
 
 
-def block_count(comm: LeafComm, shape: tuple[int, int], fallback: bool = False) -> int:
-    """How many blocks a ``shape`` matrix's gradient is reduced in: ``BLOCKS`` or 2, the most that
-    divide its unsharded dim into blocks of ``MIN_TPU_BLOCK`` bytes or more (on TPU) whose
-    reduce-scatter XLA:TPU keeps one; 1 where none does, and the matmul is left to the reduced
+def block_parts(comm: LeafComm, shape: tuple[int, int], fallback: bool = False) -> tuple[slice, ...]:
+    """The blocks of its unsharded dim a ``shape`` matrix's gradient is reduced in: ``BLOCKS`` or 2
+    of them, the most whose reduce-scatters XLA:TPU keeps one, at their native size, of
+    ``MIN_TPU_BLOCK`` bytes or more (on TPU); equal where that holds, else ``BLOCK_ALIGN`` wide but
+    the last; one block (the whole dim) where none does, and the matmul is left to the reduced
     route. ``fallback``: the route from activations left the matmul, and on TPU a gradient under
     ``MIN_TPU_FALLBACK_GRADIENT`` bytes keeps the reduced route.
 
@@ -157,23 +163,38 @@ def block_count(comm: LeafComm, shape: tuple[int, int], fallback: bool = False) 
       >>> import numpy as np, jshard as js
       >>> from jshard._sharding.layout import LeafLayout
       >>> from jshard._sharding.mesh import resolve_axes
-      >>> from jshard._step.block_route import block_count
+      >>> from jshard._step.block_route import block_parts
       >>> from jshard._step.gather import LeafComm
       >>> layout = LeafLayout((64, 48), np.dtype("float32"), 0, 64)  # sharded on its rows
       >>> comm = LeafComm(layout, resolve_axes(js.make_mesh(), None), js.FullyShardPolicy(), 1.0)
-      >>> block_count(comm, (64, 48)), block_count(comm, (64, 6))  # CPU devices keep every reduce-scatter
+      >>> len(block_parts(comm, (64, 48))), len(block_parts(comm, (64, 6)))  # CPU devices keep every reduce-scatter
       (4, 2)
+      >>> [(p.start, p.stop) for p in block_parts(comm, (64, 3075))]  # 3075 columns split unevenly
+      [(0, 1024), (1024, 2048), (2048, 3072), (3072, 3075)]
     """
     dim = comm.layout.dim
     size = shape[1 - dim]
+    whole = (slice(0, size),)
     if fallback and comm.axes.tpu_mesh is not None and (
             shape[0] * shape[1] * np.dtype(comm.reduce_dtype).itemsize < MIN_TPU_FALLBACK_GRADIENT):
-        return 1
+        return whole
     for count in (BLOCKS, 2):
-        block = (shape[0], size // count) if dim == 0 else (size // count, shape[1])
-        if size % count == 0 and _native(comm, block):
-            return count
-    return 1
+        for bounds in _bounds(size, count):
+            parts = tuple(slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:], strict=True))
+            widths = {part.stop - part.start for part in parts}
+            if all(_native(comm, (shape[0], w) if dim == 0 else (w, shape[1])) for w in widths):
+                return parts
+    return whole
+
+
+def _bounds(size: int, count: int) -> list[list[int]]:
+    """Where ``count`` blocks of a ``size`` dim may start and end: equal blocks where ``count``
+    divides it, then blocks of a multiple of ``BLOCK_ALIGN`` but the last, where that makes ``count``."""
+    bounds = [[j * size // count for j in range(count + 1)]] if size % count == 0 else []
+    width = -(-size // (count * BLOCK_ALIGN)) * BLOCK_ALIGN
+    if (count - 1) * width < size:
+        bounds.append([min(j * width, size) for j in range(count + 1)])
+    return bounds
 
 
 def _native(comm: LeafComm, block: tuple[int, int]) -> bool:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from jshard._step import collectives as C
-from jshard._step.block_route import block_count, ordered, reduced_in_blocks
+from jshard._step.block_route import block_parts, ordered, reduced_in_blocks
 from jshard._step.gather import LeafComm, gather_cast, reduce_summed
 from jshard._step.remat import call_equation, marked, traced_equations
 
@@ -155,7 +155,7 @@ def routed_lookup_eqn(eqn: Any, made: dict[Any, Any], reads: Mapping[Any, int]) 
     params = (("fill_value", eqn.params["fill_value"]), ("mode", eqn.params["mode"]))
     if "from_activations" in chosen and not d % n and lookup_sends_less(ids.aval.size, v, d, comm.layout.dim, n):
         lookup = routed_lookup
-    elif "in_blocks" in chosen and comm.layout.dim == 0 and reads[table] == 1 and block_count(comm, (v, d)) > 1:
+    elif "in_blocks" in chosen and comm.layout.dim == 0 and reads[table] == 1 and len(block_parts(comm, (v, d))) > 1:
         lookup = blocked_lookup
     else:
         return eqn

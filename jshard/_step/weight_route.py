@@ -60,7 +60,7 @@ import jax
 from jax.extend import core as jcore
 
 from jshard._step import collectives as C
-from jshard._step.block_route import block_count, blocked_matmul, contract
+from jshard._step.block_route import block_parts, blocked_matmul, contract
 from jshard._step.gather import LeafComm, reduce_summed, scatter_native
 from jshard._step.lookup_route import inline_lookups, routed_lookup_eqn
 from jshard._step.remat import (
@@ -240,7 +240,8 @@ def _routed(eqn: Any, made: dict[Any, Any], reads: Mapping[Any, int], routes: fr
     if freed and "routed" in routes and "from_activations" in chosen and sends_less(
             x.aval.size // x.aval.shape[-1], *shape, comm.layout.dim, comm.axes.shard_size):
         fn = functools.partial(routed_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"])
-    elif blockable and "in_blocks" in chosen and block_count(comm, shape, freed and "from_activations" in chosen) > 1:
+    elif blockable and "in_blocks" in chosen and len(
+            block_parts(comm, shape, freed and "from_activations" in chosen)) > 1:
         fn = functools.partial(blocked_matmul, comm, eqn.params["precision"], eqn.params["preferred_element_type"],
                                not freed)  # [Note: weight gradient blocks]
     else:
