@@ -747,9 +747,9 @@ def test_v5p_gathers_in_torus_phases_where_one_all_gather_would_be_an_all_reduce
 
 def test_a_16x16_slice_all_reduces_small_all_gathers_and_keeps_larger_ones():
     """[Note: torus phases]: over every chip of a 16x16 v6e slice XLA:TPU sends an all-gather of
-    64 KiB a chip as an all-reduce (twice the bytes: the Llama-3-8B plan's key and value kernels,
-    `[16, 1024]` bf16 a chip) and keeps one of 96 KiB native; the step gathers there in one
-    collective (no phases), as on a 2x4."""
+    64 KiB a chip (16 MiB gathered) as an all-reduce (twice the bytes: the Llama-3-8B plan's key
+    and value kernels, `[16, 1024]` bf16 a chip) and keeps one of 96 KiB (24 MiB) native; the step
+    gathers there in one collective (no phases), as on a 2x4."""
 
     def kinds(rows):
         mesh = js.make_mesh(devices=_tpu("v6e:16x16"))

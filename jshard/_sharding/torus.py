@@ -59,12 +59,13 @@ less alone (17.0 MiB), and the 1b demo model's peak fell by 64 MiB with them on 
 a 4x4x8, but XLA:TPU packed the Llama-3-8B NNX plan's temporaries worse around its
 embedding's and head's gathers: peak 5064.3 -> 6368.9 MiB on v5p-256, 6173.1 -> 7197.1 on a
 4x4x4, the same 3512.1 MiB occupied at its fullest (libtpu 0.0.42.1). So one per dimension.
-On 2-D tori (v5e, v6e) one all-gather stays native over 4x4 and 4x8 slices, and over 8x8,
-8x16 and 16x16 ones for large shards (1 MiB per chip, and 96 KiB on 16x16); XLA:TPU
-all-reduces small ones there (32 KiB per chip on 8x8 and 8x16, 64 KiB on 16x16), where the
-bytes are few, so gathers there are not phased. The Llama-3-8B NNX plan on ``v6e-256`` sends
-its key and value kernels (``[16, 1024]`` bf16 a chip) and norm scales so: 2048 MiB of
-all-reduce a step where gathers would send 1021, 1.8% of the step's bytes (thirty-third session).
+On 2-D tori (v5e, v6e) one all-gather stays native over 4x4 and 4x8 slices. Over every chip of
+an 8x8, 8x16 or 16x16 slice XLA:TPU all-reduces a gather whose result is 16 MiB or less (256,
+128 and 64 KiB a chip) and keeps the next sizes measured native (32, 32 and 24 MiB: 512, 256 and
+96 KiB a chip; bf16, libtpu 0.0.42.1, thirty-third session). Those bytes are few, so gathers there are not phased.
+The Llama-3-8B NNX plan sends its key and value kernels (8 MiB each, gathered) and norm scales
+so: on ``v6e-256`` 2048 MiB of all-reduce a step where gathers would send 1021, 1.8% of the
+step's bytes.
 """
 
 from __future__ import annotations
