@@ -25,7 +25,8 @@ and its whole gradient never exists (the Llama-3-8B NNX plan on ``v5p-256`` with
 step's fullest point; docs/planning.md). Blocks are equal where that keeps them native, else
 ``BLOCK_ALIGN`` wide but the last (:func:`block_parts`): on v5e XLA:TPU all-reduces the first
 torus phase of the Llama-3-8B head's gradient whole and in equal blocks, not in blocks of 32768
-columns, and the NNX plan on ``v5e-256`` fell from 5555.8 to 4049.2 MiB (thirty-third session).
+columns, and the NNX plan on ``v5e-256`` fell from 5555.8 to 4049.2 MiB (thirty-third session;
+the Hugging Face plan there rose from 4375.5 to 5718.6, as docs/benchmarks.md says).
 Measured by hand first: ``benchmarks/weight_gradient_route.py``'s ``chunks`` route,
 docs/benchmarks.md "Weight gradients reduced a block at a time".
 """
