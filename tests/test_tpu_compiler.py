@@ -751,9 +751,10 @@ def test_a_16x16_slice_all_reduces_small_all_gathers_and_keeps_larger_ones():
     and value kernels, `[16, 1024]` bf16 a chip) and keeps one of 96 KiB (24 MiB) native; the step
     gathers there in one collective (no phases), as on a 2x4."""
 
+    mesh = js.make_mesh(devices=_tpu("v6e:16x16"))
+    assert gather_phases(mesh, ("fsdp",)) == ()
+
     def kinds(rows):
-        mesh = js.make_mesh(devices=_tpu("v6e:16x16"))
-        assert gather_phases(mesh, ("fsdp",)) == ()
         f = jax.shard_map(lambda w: js.collectives.all_gather(w, ("fsdp",), 0), mesh=mesh, in_specs=P("fsdp"),
                           out_specs=P(), check_vma=False)
         arg = jax.ShapeDtypeStruct((256 * rows, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))

@@ -501,7 +501,7 @@ def test_a_matrix_kept_gathered_and_read_twice_keeps_its_reduction():
     assert len(re.findall(r"\(tensor<64x512xf32>\) -> tensor<8x512xf32>", text)) == 1
 
 
-def test_a_dim_no_block_count_divides_is_reduced_in_aligned_blocks():
+def test_a_dim_neither_4_nor_2_equal_blocks_fit_is_reduced_in_aligned_blocks():
     """The root's head with 3075 outputs (neither 4 nor 2 equal blocks) and
     ``weight_gradients="in_blocks"``: its gradient is reduce-scattered in blocks of 1024, 1024, 1024
     and 3 columns (``BLOCK_ALIGN`` wide but the last), and the loss and every gradient are the

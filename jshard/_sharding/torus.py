@@ -62,7 +62,8 @@ embedding's and head's gathers: peak 5064.3 -> 6368.9 MiB on v5p-256, 6173.1 -> 
 On 2-D tori (v5e, v6e) one all-gather stays native over 4x4 and 4x8 slices. Over every chip of
 an 8x8, 8x16 or 16x16 slice XLA:TPU all-reduces a gather whose result is 16 MiB or less (256,
 128 and 64 KiB a chip) and keeps the next sizes measured native (32, 32 and 24 MiB: 512, 256 and
-96 KiB a chip; bf16, libtpu 0.0.42.1, thirty-third session). Those bytes are few, so gathers there are not phased.
+96 KiB a chip; bf16, libtpu 0.0.42.1, thirty-third session). Those bytes are few, so gathers
+there are not phased.
 The Llama-3-8B NNX plan sends its key and value kernels (8 MiB each, gathered) and norm scales
 so: on ``v6e-256`` 2048 MiB of all-reduce a step where gathers would send 1021, 1.8% of the
 step's bytes.
