@@ -33,6 +33,7 @@ import jax
 
 from benchmarks.memory_sweep import add_compile_arguments, compile_target
 from benchmarks.variants import EXTRA_VARIANTS, VARIANTS, model_inputs, prepare
+from jshard._plan.buffers import compile_reading_assignment
 from jshard.demo import model as T
 from jshard.report import (
     Memory,
@@ -45,8 +46,8 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 def _measure_compiled(prepared) -> dict[str, Any]:
     lowered = prepared.step.lower(*prepared.args)
-    compiled = lowered.compile()
-    memory = Memory.from_compiled(compiled)
+    compiled, assignment = compile_reading_assignment(lowered)
+    memory = Memory.from_compiled(compiled, assignment)
     by_kind = wire_bytes_by_kind(step_collectives(compiled.as_text(), lowered.as_text()))
     return {
         "peak_bytes": memory.peak,

@@ -46,6 +46,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jshard as js  # noqa: E402
+from jshard._plan.buffers import compile_reading_assignment  # noqa: E402
 from jshard._report.schedule import gather_schedule  # noqa: E402
 from jshard._report.step_collectives import wire_bytes  # noqa: E402
 from jshard.report import Memory, matmul_flops, step_collectives  # noqa: E402
@@ -81,13 +82,13 @@ def measure(m: Model, mesh: jax.sharding.Mesh, option: str) -> dict[str, Any]:
     start = time.perf_counter()
     step, args = jshard_step(m, mesh, **OPTIONS[option])
     with jax.numpy_dtype_promotion("standard"):
-        compiled = step.lower(*args).compile()
+        compiled, assignment = compile_reading_assignment(step.lower(*args))
     seconds = time.perf_counter() - start
     hlo = compiled.as_text()
     collectives = [c for c in step_collectives(hlo) if c.kind in KINDS]
     schedule = gather_schedule(hlo)
     return {
-        "peak_bytes": Memory.from_compiled(compiled).peak,
+        "peak_bytes": Memory.from_compiled(compiled, assignment).peak,
         "flops": matmul_flops(hlo),
         "ops": {k: sum(c.kind == k for c in collectives) for k in KINDS},
         "executions": {k: sum(c.executions for c in collectives if c.kind == k) for k in KINDS},

@@ -166,11 +166,23 @@ def fullest(values: list[HeapValue], ranges: dict[str, tuple[int, int]]) -> Full
 
 def read_dump(directory: pathlib.Path) -> tuple[Fullest, dict[str, str]]:
     """:func:`fullest` of the largest compiled module dumped in ``directory``, and its op names."""
-    hlo = max(directory.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+    hlo = _step_module(directory)
     stem = str(hlo)[: -len(".txt")]
     values = temp_values(pathlib.Path(stem + "-buffer-assignment.txt").read_text())
     ranges = live_ranges(pathlib.Path(stem + "-live-range.txt").read_text())
     return fullest(values, ranges), op_names(hlo.read_text())
+
+
+def _step_module(directory: pathlib.Path) -> pathlib.Path:
+    """The largest compiled module dumped in ``directory`` (the step's)."""
+    return max(directory.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
+
+
+def dumped_memory(compiled: Any, directory: pathlib.Path) -> Memory:
+    """``compiled``'s :class:`jshard.report.Memory`, its temporaries read from the buffer assignment dumped in
+    ``directory`` ([Note: TPU temporaries])."""
+    return Memory.from_compiled(compiled, pathlib.Path(str(_step_module(directory))[: -len(".txt")]
+                                                       + "-buffer-assignment.txt").read_text())
 
 
 def describe(variant: str, temp: int, heap: Fullest, ops: dict[str, str], top: int) -> str:
@@ -216,19 +228,19 @@ def compile_with_dump(step: Any, args: tuple[Any, ...], directory: pathlib.Path)
 
 
 def _compiled_heap(ms: Any, model: Any, mesh: Any, variant: str, tmp: pathlib.Path,
-                   **options: Any) -> tuple[Any, Fullest, dict[str, str]]:
+                   **options: Any) -> tuple[Memory, Fullest, dict[str, str]]:
     """One variant's step of ``model`` (``options``: :func:`benchmarks.memory_sweep.variant_step`'s)
-    compiled with its dump in ``tmp / variant``, and the dump read."""
+    compiled with its dump in ``tmp / variant``: its memory, and the dump read."""
     directory = tmp / variant
     compiled = compile_with_dump(*ms.variant_step(model, mesh, variant, **options), directory)
     heap, ops = read_dump(directory)
-    return compiled, heap, ops
+    return dumped_memory(compiled, directory), heap, ops
 
 
-def _cells(compiled: Any, heap: Fullest) -> tuple[float, str]:
+def _cells(memory: Memory, heap: Fullest) -> tuple[float, str]:
     mib = 2.0**20
-    figures = (compiled.memory_analysis().temp_size_in_bytes, heap.allocation, heap.occupied)
-    return (Memory.from_compiled(compiled).peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
+    figures = (memory.xla_temp, heap.allocation, heap.occupied)
+    return (memory.peak / mib, " / ".join(f"{x / mib:.2f}" for x in figures)
             + f" / {heap.tuples.count} ({heap.tuples.overhang / mib:.2f})")
 
 
@@ -257,10 +269,10 @@ def above_rows(results: pathlib.Path) -> None:
     for row in filter(ms.above_recipe, stored["models"]):
         best, model = ms.best_recipe(row), models[row["name"]]
         with tempfile.TemporaryDirectory() as tmp:
-            compiled, recipe_heap, recipe_ops = _compiled_heap(ms, model, mesh, best, pathlib.Path(tmp), **options)
-            recipe_peak, recipe_cells = _cells(compiled, recipe_heap)
-            compiled, heap, ops = _compiled_heap(ms, model, mesh, "jshard", pathlib.Path(tmp), **options)
-            peak, cells = _cells(compiled, heap)
+            memory, recipe_heap, recipe_ops = _compiled_heap(ms, model, mesh, best, pathlib.Path(tmp), **options)
+            recipe_peak, recipe_cells = _cells(memory, recipe_heap)
+            memory, heap, ops = _compiled_heap(ms, model, mesh, "jshard", pathlib.Path(tmp), **options)
+            peak, cells = _cells(memory, heap)
         print(f"| {row['name']} | {recipe_peak:.2f} ({best}) | {peak:.2f} ({peak / recipe_peak:.2f}) | {recipe_cells} "
               f"| {cells} | {_values(held_more(heap, recipe_heap), ops)} "
               f"| {_values(held_more(recipe_heap, heap), recipe_ops)} |", flush=True)
@@ -304,10 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     mesh = ms.target_mesh(target)
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            compiled, heap, ops = _compiled_heap(ms, model, mesh, variant, pathlib.Path(tmp), apply_sgd=args.apply_sgd,
-                                                 replicate_below=args.replicate_below,
-                                                 weight_gradients=args.weight_gradients)
-            print(describe(variant, compiled.memory_analysis().temp_size_in_bytes, heap, ops, args.top), flush=True)
+            memory, heap, ops = _compiled_heap(ms, model, mesh, variant, pathlib.Path(tmp), apply_sgd=args.apply_sgd,
+                                               replicate_below=args.replicate_below,
+                                               weight_gradients=args.weight_gradients)
+            print(f"{variant}: peak {memory.peak / 2**20:.2f} MiB", flush=True)
+            print(describe(variant, memory.xla_temp, heap, ops, args.top), flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import jshard as js
+from jshard._plan.buffers import compile_reading_assignment
 from jshard._report.report import report_compiled
 from jshard._report.schedule import gather_schedule
 from jshard._sharding.platform_defaults import FSDP2_LAYOUT
@@ -172,10 +173,11 @@ def compiled_figures(step: Callable[..., Any], args: tuple[Any, ...], jshard: bo
     compile)."""
     lowered = step.lower(*args)
     lowered_text = lowered.as_text()
-    compiled = lowered.compile()
+    compiled, assignment = compile_reading_assignment(lowered)
     text = compiled.as_text()
     gathers = gather_schedule(text)
-    out = {"peak_bytes": Memory.from_compiled(compiled).peak, "flops": matmul_flops(text), "gathers": len(gathers),
+    out = {"peak_bytes": Memory.from_compiled(compiled, assignment).peak, "flops": matmul_flops(text),
+           "gathers": len(gathers),
            "gathers_overlapped": sum(g.matmuls_overlapped > 0 for g in gathers),
            "collective_bytes": wire_bytes_by_kind(step_collectives(text, lowered_text))}
     if jshard:

@@ -72,7 +72,7 @@ def test_demo_runs_without_its_extras(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # where the bar would be drawn
-    memory = Memory(*([1 << 20] * 11))
+    memory = Memory(*([1 << 20] * 12))
     assert train._plot_memory(memory, memory, 8, tmp_path / "memory.png") is None
     assert list(tmp_path.iterdir()) == []
     assert train._Progress(10).bar is None  # plain progress lines instead

@@ -40,7 +40,7 @@ def test_plan_of_a_builder_in_a_subprocess_equals_the_plan_here(tiny_full_remat)
         assert p.report.collective_bytes["reduce-scatter"] == pytest.approx(p.report.analytic.reduce_scatter)
         assert p.report.memory.alias > 0  # the demo's step donates its state
     assert far.report.analytic.params == here.report.analytic.params
-    assert far.temporaries and not here.temporaries  # XLA's buffer assignment is read in planning processes
+    assert far.temporaries and far.temporaries == here.temporaries  # XLA's buffer assignment, read in both
     assert Plan.from_dict(json.loads(json.dumps(far.to_dict()))) == far
     text = str(far)
     assert "largest temporaries" in text and "FSDP2's bound without activations" in text

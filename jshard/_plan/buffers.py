@@ -1,17 +1,16 @@
-"""Which buffers the temporaries are: XLA's buffer assignment, read in the planning process.
+"""Which buffers the temporaries are, and what the device holds: XLA's buffer assignment.
 
-[Note: temporary buffers] ``memory_analysis()`` gives one number for temporaries. XLA
-writes what lives in them when the process starts with ``--xla_dump_to`` (the flag is read
-once, when the backend starts, so only a planning subprocess can set it): the
-``*buffer-assignment.txt`` of the step's module lists each allocation and the values
-placed in it. The preallocated temporary allocation holds values whose lifetimes do not
-overlap at shared offsets, so its largest values name what the peak is made of; a value
-whose shape is a parameter's (or one layer's of a stack) is that gathered parameter or
-its full gradient before the reduce-scatter. Outputs not donated to the step's arguments
-are allocations of their own, into which XLA also places temporaries that die before the
-output is written: without donation ``temp`` undercounts the working set by up to the
-outputs' size (the 1B demo on 8 devices: 768 MiB temp undonated, the same buffers at
-1729 MiB donated).
+[Note: temporary buffers] ``memory_analysis()`` gives one number for temporaries. XLA writes
+what lives in them when a compile is given the option ``xla_dump_to`` (a plan's compile is,
+:func:`compile_reading_assignment`): the ``*buffer-assignment.txt`` of the step's module
+lists each allocation and the values placed in it. The preallocated temporary allocation
+holds values whose lifetimes do not overlap at shared offsets, so its largest values name
+what the peak is made of; a value whose shape is a parameter's (or one layer's of a stack)
+is that gathered parameter or its full gradient before the reduce-scatter. Outputs not
+donated to the step's arguments are allocations of their own, into which XLA also places
+temporaries that die before the output is written: without donation ``temp`` undercounts the
+working set by up to the outputs' size (the 1B demo on 8 devices: 768 MiB temp undonated,
+the same buffers at 1729 MiB donated).
 """
 
 from __future__ import annotations
@@ -19,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import tempfile
 from typing import Any
 
-_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
+from jshard._report.buffer_assignment import ALLOCATION
+
 _VALUE = re.compile(r"^\s*value: <\d+ ([^ >]+) @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 _ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 _SHOWN = 10
@@ -56,7 +57,7 @@ def temp_values(buffer_assignment: str) -> list[AssignedValue]:
     """
     values, kinds = [], None
     for line in buffer_assignment.splitlines():
-        allocation = _ALLOCATION.match(line)
+        allocation = ALLOCATION.match(line)
         if allocation:
             kinds = allocation.group(3) if "preallocated-temp" in allocation.group(3) else None
             continue
@@ -78,20 +79,24 @@ class Buffer:
     leaf: str = ""
 
 
-def dump_flag(directory: str) -> str:
-    """The XLA flag that makes the compiler write buffer assignments into ``directory``."""
-    return f"--xla_dump_to={directory}"
-
-
 def _step_assignment(directory: str) -> pathlib.Path | None:
     """The buffer assignment with the largest temporary allocation (the step's, not an initialiser's)."""
     best, best_size = None, -1
     for path in pathlib.Path(directory).glob("*buffer-assignment.txt"):
         for line in path.read_text().splitlines():
-            match = _ALLOCATION.match(line)
+            match = ALLOCATION.match(line)
             if match and "preallocated-temp" in match.group(3) and int(match.group(2)) > best_size:
                 best, best_size = path, int(match.group(2))
     return best
+
+
+def compile_reading_assignment(lowered: Any) -> tuple[Any, str]:
+    """``lowered`` compiled with XLA writing its buffer assignment into a temporary folder, and that assignment's
+    text ("" if XLA wrote none)."""
+    with tempfile.TemporaryDirectory(prefix="jshard-buffers-", ignore_cleanup_errors=True) as dump:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+        path = _step_assignment(dump)
+        return compiled, path.read_text() if path else ""
 
 
 def _leaf_shapes(placements: Any) -> dict[tuple[int, ...], str]:
@@ -103,14 +108,11 @@ def _leaf_shapes(placements: Any) -> dict[tuple[int, ...], str]:
     return shapes
 
 
-def largest_temporaries(directory: str, placements: Any = (), top: int = _SHOWN) -> tuple[Buffer, ...]:
+def largest_temporaries(buffer_assignment: str, placements: Any = (), top: int = _SHOWN) -> tuple[Buffer, ...]:
     """The ``top`` largest distinct values of the step's temporary allocation, named by leaf where shapes match."""
-    path = _step_assignment(directory)
-    if path is None:
-        return ()
     leaf_of = _leaf_shapes(placements)
     seen: dict[tuple[str, tuple[int, ...]], Buffer] = {}
-    for value in temp_values(path.read_text()):
+    for value in temp_values(buffer_assignment):
         array = _ARRAY.match(value.shape)  # tuple-shaped values are left out
         if array is None:
             continue

@@ -16,9 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +26,7 @@ from typing import Any
 
 import jax
 
-from jshard._plan.buffers import Buffer, buffer_lines, dump_flag, largest_temporaries
+from jshard._plan.buffers import Buffer, buffer_lines, compile_reading_assignment, largest_temporaries
 from jshard._plan.compiler import CompileTarget
 from jshard._plan.failure import ERROR_FILE_ENV, from_planning_process, target_raised
 from jshard._plan.target import PlanConfig, call_build, load_build, spec_of
@@ -68,9 +66,8 @@ class Plan:
       flops: matrix-multiply FLOPs per device per step (recomputation included).
       compile_seconds: wall time of building, lowering and compiling.
       platform: the compiler's platform (``"cpu"`` for simulated devices).
-      temporaries: the largest buffers among the temporaries, when XLA's buffer
-        assignment could be read (plans run in a planning subprocess; see
-        [Note: temporary buffers]).
+      temporaries: the largest buffers among the temporaries, from XLA's buffer
+        assignment ([Note: temporary buffers]).
       dcn_bytes: bytes each device hands the data-center network per step (multi-slice TPU
         plans: XLA:TPU compiles a collective across slices to ``send`` ops to its megascale
         runtime, outside the slice's collectives above); 0 on one slice.
@@ -184,19 +181,15 @@ def plan_here(build: Callable[..., Any] | str, config: PlanConfig, mesh: jax.sha
     start = time.perf_counter()
     config = config.for_devices(mesh.devices.flat[0].device_kind)
     spec, args, params, lowered = lower_target(build, config, mesh)
-    dump = os.environ.get(_DUMP_ENV)
-    if dump:  # only the step's compile: see [Note: temporary buffers]
-        for old in pathlib.Path(dump).glob("*"):
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    compiled = lowered.compile()
+    compiled, assignment = compile_reading_assignment(lowered)
     text = compiled.as_text()
-    report = report_compiled(compiled, lowered.as_text(), args, params, compiled_text=text)
-    buffers = largest_temporaries(dump, report.placements) if dump else ()
+    report = report_compiled(compiled, lowered.as_text(), args, params, compiled_text=text,
+                             buffer_assignment=assignment)
+    buffers = largest_temporaries(assignment, report.placements)
     return Plan(spec, config, report, matmul_flops(text), time.perf_counter() - start,
                 mesh.devices.flat[0].platform, buffers, data_center_bytes(text))
 
 
-_DUMP_ENV = "JSHARD_PLAN_DUMP"
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
 
 
@@ -206,10 +199,10 @@ def run_in_devices(argv: Sequence[str], devices: int) -> Any:
     A target that fails there raises here as it would have here ([Note: planning errors]).
     """
     with tempfile.TemporaryDirectory(prefix="jshard-plan-", ignore_cleanup_errors=True) as work:
-        dump, error_file = os.path.join(work, "dump"), os.path.join(work, "error.json")
+        error_file = os.path.join(work, "error.json")
         flags = _DEVICE_COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", ""))
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
-               "XLA_FLAGS": f"{flags} {dump_flag(dump)}".strip(), _DUMP_ENV: dump, ERROR_FILE_ENV: error_file}
+               "XLA_FLAGS": flags.strip(), ERROR_FILE_ENV: error_file}
         cmd = [sys.executable, "-m", "jshard.report", *argv, "--json"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         handed_over = from_planning_process(error_file) if done.returncode == 2 else None

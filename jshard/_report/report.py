@@ -156,6 +156,9 @@ def format_report(report: Report) -> str:
     ]
     for name in MEMORY_FIELDS:
         lines.append(f"  {name:<36}{_mib(getattr(m, name))}  {_mib(getattr(m, 'host_' + name))}")
+    if m.xla_temp != m.temp:  # XLA:TPU: temp read from the buffer assignment
+        lines.append(f"  {'temp as memory_analysis() counts it':<36}{_mib(m.xla_temp)}  "
+                     "(not HBM: [Note: TPU temporaries])")
     lines.append(f"  {'peak (argument+output+temp-alias)':<36}{_mib(m.peak)}")
     lines += ["", f"{'measured vs analytic (per device)':<36}{'measured':>16}{'analytic':>16}{'ratio':>8}"]
     ratios = report.ratios()
@@ -224,8 +227,9 @@ def report_lowered(lowered: Any, args: tuple[Any, ...], params: Any = None, micr
 
 
 def report_compiled(compiled: Any, lowered_text: str, args: tuple[Any, ...], params: Any = None,
-                    microbatches: int = 1, compiled_text: str | None = None) -> Report:
-    """A :class:`Report` from a compiled step and its lowered program's text (see :func:`report_lowered`)."""
+                    microbatches: int = 1, compiled_text: str | None = None, buffer_assignment: str = "") -> Report:
+    """A :class:`Report` from a compiled step and its lowered program's text (see :func:`report_lowered`);
+    ``buffer_assignment``: the step's, for :meth:`Memory.from_compiled`."""
     if params is None:
         params = next((a for a in args if all_units(a)), None)
         if params is None:
@@ -236,7 +240,7 @@ def report_compiled(compiled: Any, lowered_text: str, args: tuple[Any, ...], par
     shardings = compiled.input_shardings[0]
     mesh = all_units(params)[0][0].meta.mesh
     return Report(
-        memory=Memory.from_compiled(compiled),
+        memory=Memory.from_compiled(compiled, buffer_assignment),
         collectives=tuple(step_collectives(compiled_text or compiled.as_text(), lowered_text, dict(mesh.shape))),
         analytic=analytic(params, args, shardings, microbatches),
         mesh={str(k): int(v) for k, v in mesh.shape.items()},
