@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jshard._plan.buffers import compile_reading_assignment
 from jshard.demo.moe import Mixtral, MoEConfig, lm_loss
 from jshard.demo.moe_train import (
     MIXTRAL_8X7B,
@@ -92,9 +93,9 @@ def build_gspmd(mesh: Mesh, config: PlanConfig | None = None, cfg: MoEConfig = S
 def measure(step: Any, args: tuple) -> dict[str, Any]:
     """Per-device figures of one compiled step: memory, collectives by kind, FLOPs."""
     lowered = step.lower(*args)
-    compiled = lowered.compile()
+    compiled, assignment = compile_reading_assignment(lowered)
     collectives = step_collectives(compiled.as_text(), lowered.as_text())
-    memory = Memory.from_compiled(compiled)
+    memory = Memory.from_compiled(compiled, assignment)
     by_kind = wire_bytes_by_kind(collectives)
     counts = {kind: sum(c.executions for c in collectives if c.kind == kind) for kind in KINDS}
     return {"argument": memory.argument, "temp": memory.temp, "peak": memory.peak,
