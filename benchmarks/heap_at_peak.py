@@ -166,23 +166,17 @@ def fullest(values: list[HeapValue], ranges: dict[str, tuple[int, int]]) -> Full
 
 def read_dump(directory: pathlib.Path) -> tuple[Fullest, dict[str, str]]:
     """:func:`fullest` of the largest compiled module dumped in ``directory``, and its op names."""
-    hlo = _step_module(directory)
+    heap, ops, _ = _read_step(directory)
+    return heap, ops
+
+
+def _read_step(directory: pathlib.Path) -> tuple[Fullest, dict[str, str], str]:
+    """:func:`read_dump`'s figures, and the text of the module's buffer assignment."""
+    hlo = max(directory.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     stem = str(hlo)[: -len(".txt")]
-    values = temp_values(pathlib.Path(stem + "-buffer-assignment.txt").read_text())
+    assignment = pathlib.Path(stem + "-buffer-assignment.txt").read_text()
     ranges = live_ranges(pathlib.Path(stem + "-live-range.txt").read_text())
-    return fullest(values, ranges), op_names(hlo.read_text())
-
-
-def _step_module(directory: pathlib.Path) -> pathlib.Path:
-    """The largest compiled module dumped in ``directory`` (the step's)."""
-    return max(directory.glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
-
-
-def dumped_memory(compiled: Any, directory: pathlib.Path) -> Memory:
-    """``compiled``'s :class:`jshard.report.Memory`, its temporaries read from the buffer assignment dumped in
-    ``directory`` ([Note: TPU temporaries])."""
-    return Memory.from_compiled(compiled, pathlib.Path(str(_step_module(directory))[: -len(".txt")]
-                                                       + "-buffer-assignment.txt").read_text())
+    return fullest(temp_values(assignment), ranges), op_names(hlo.read_text()), assignment
 
 
 def describe(variant: str, temp: int, heap: Fullest, ops: dict[str, str], top: int) -> str:
@@ -230,11 +224,12 @@ def compile_with_dump(step: Any, args: tuple[Any, ...], directory: pathlib.Path)
 def _compiled_heap(ms: Any, model: Any, mesh: Any, variant: str, tmp: pathlib.Path,
                    **options: Any) -> tuple[Memory, Fullest, dict[str, str]]:
     """One variant's step of ``model`` (``options``: :func:`benchmarks.memory_sweep.variant_step`'s)
-    compiled with its dump in ``tmp / variant``: its memory, and the dump read."""
+    compiled with its dump in ``tmp / variant``: its memory (the temporaries from the dumped buffer
+    assignment, [Note: TPU temporaries]), and the dump read."""
     directory = tmp / variant
     compiled = compile_with_dump(*ms.variant_step(model, mesh, variant, **options), directory)
-    heap, ops = read_dump(directory)
-    return dumped_memory(compiled, directory), heap, ops
+    heap, ops, assignment = _read_step(directory)
+    return Memory.from_compiled(compiled, assignment), heap, ops
 
 
 def _cells(memory: Memory, heap: Fullest) -> tuple[float, str]:

@@ -79,14 +79,16 @@ class Buffer:
     leaf: str = ""
 
 
-def _step_assignment(directory: str) -> pathlib.Path | None:
-    """The buffer assignment with the largest temporary allocation (the step's, not an initialiser's)."""
-    best, best_size = None, -1
+def _step_assignment(directory: str) -> str:
+    """The text of the buffer assignment with the largest temporary allocation (the step's, not an
+    initialiser's); "" where XLA wrote none."""
+    best, best_size = "", -1
     for path in pathlib.Path(directory).glob("*buffer-assignment.txt"):
-        for line in path.read_text().splitlines():
+        text = path.read_text()
+        for line in text.splitlines():
             match = ALLOCATION.match(line)
             if match and "preallocated-temp" in match.group(3) and int(match.group(2)) > best_size:
-                best, best_size = path, int(match.group(2))
+                best, best_size = text, int(match.group(2))
     return best
 
 
@@ -95,8 +97,7 @@ def compile_reading_assignment(lowered: Any) -> tuple[Any, str]:
     text ("" if XLA wrote none)."""
     with tempfile.TemporaryDirectory(prefix="jshard-buffers-", ignore_cleanup_errors=True) as dump:
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
-        path = _step_assignment(dump)
-        return compiled, path.read_text() if path else ""
+        return compiled, _step_assignment(dump)
 
 
 def _leaf_shapes(placements: Any) -> dict[tuple[int, ...], str]:
